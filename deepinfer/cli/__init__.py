@@ -1,0 +1,1 @@
+"""Command line: `deepinfer serve | generate | bench | profile`."""

@@ -1,0 +1,63 @@
+"""Data-only messages between scheduler and model runner. Pure."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """Work for one request in one step: compute KV for `token_ids` at positions
+    [num_computed_tokens, num_computed_tokens + len(token_ids)); sample a token afterwards
+    iff `sample` (the chunk reaches the end of the known tokens)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated so far (for min_tokens / seeds)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # runner may drop their state
+    predicted_step_time_s: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top-k alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class StepResult:
+    """What the runner returns for one SchedulerOutput."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    step_time_s: float = 0.0
