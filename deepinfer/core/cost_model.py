@@ -1,0 +1,223 @@
+"""Predicted step time from the shape of a batch. Pure: stdlib + numpy.
+
+A step runs, for each scheduled request, `x` new tokens after a context of `P` tokens already in
+its KV cache. Its time is modelled as a non-negative combination of five features:
+
+    linear_flops     2 · active_params · Σ x                 (projections, MLP / experts)
+    attention_flops  4 · L · H · d · Σ x · (P + x/2)          (causal QK^T and PV)
+    bytes_moved      weight_bytes + kv_bytes_per_token · Σ (P + x)
+    num_requests     number of requests in the step          (per-request overhead, LM head)
+    step             1                                        (launch / framework overhead)
+
+Coefficients are seconds per feature unit, fitted on measured steps (a *profile*) by
+non-negative least squares on relative error, so short decode steps count as much as long
+prefills. `StepCostEstimate` is the incremental form the scheduler's budget uses: O(1) per
+added request, plus the largest chunk that fits in a time limit (a quadratic in x).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from deepinfer.core.least_squares import nonnegative_least_squares
+from deepinfer.core.model_shape import ModelShape
+
+FEATURE_NAMES = ("linear_flops", "attention_flops", "bytes_moved", "num_requests", "step")
+PROFILE_FORMAT = "deepinfer.cost_profile.v1"
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """One request's work in one step: `num_new_tokens` after `context_len` cached tokens."""
+
+    context_len: int
+    num_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.context_len < 0 or self.num_new_tokens < 1:
+            raise ValueError(f"bad chunk: context_len={self.context_len}, "
+                             f"num_new_tokens={self.num_new_tokens}")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """A measured step: the batch and how long it took."""
+
+    chunks: tuple[ChunkShape, ...]
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class PredictionError:
+    """Absolute percent error |predicted - measured| / measured · 100 over some steps."""
+
+    median_abs_pct_error: float
+    p90_abs_pct_error: float
+    num_samples: int
+
+
+class CostModel:
+    """Step time = Σ coefficient[f] · feature[f]; coefficients are >= 0 seconds per unit."""
+
+    def __init__(self, shape: ModelShape, coefficients: dict[str, float], *,
+                 metadata: dict[str, Any] | None = None,
+                 holdout_error: PredictionError | None = None) -> None:
+        unknown = set(coefficients) - set(FEATURE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown cost features: {sorted(unknown)}")
+        coef = {name: float(coefficients.get(name, 0.0)) for name in FEATURE_NAMES}
+        if any(not math.isfinite(v) or v < 0 for v in coef.values()):
+            raise ValueError(f"cost coefficients must be finite and >= 0: {coef}")
+        self.shape = shape
+        self.coefficients = coef
+        self.metadata = dict(metadata or {})
+        self.holdout_error = holdout_error
+        # Seconds per unit of the per-request sums StepCostEstimate keeps.
+        self.s_per_token = coef["linear_flops"] * 2 * shape.active_params
+        self.s_per_attn_pair = coef["attention_flops"] * shape.attention_flops_per_pair
+        self.s_per_kv_token = coef["bytes_moved"] * shape.kv_bytes_per_token
+        self.s_per_request = coef["num_requests"]
+        self.s_per_step = coef["step"] + coef["bytes_moved"] * shape.weight_bytes
+
+    # -- prediction ------------------------------------------------------------------------
+    def features(self, chunks: Sequence[ChunkShape]) -> np.ndarray:
+        """Feature vector (in FEATURE_NAMES order) of one step; zeros for an empty step."""
+        if not chunks:
+            return np.zeros(len(FEATURE_NAMES))
+        s = self.shape
+        sum_x = sum(c.num_new_tokens for c in chunks)
+        pairs = sum(c.num_new_tokens * (c.context_len + c.num_new_tokens / 2) for c in chunks)
+        kv_tokens = sum(c.context_len + c.num_new_tokens for c in chunks)
+        return np.array([2.0 * s.active_params * sum_x, float(s.attention_flops_per_pair) * pairs,
+                         s.weight_bytes + float(s.kv_bytes_per_token) * kv_tokens,
+                         float(len(chunks)), 1.0])
+
+    def predict(self, chunks: Sequence[ChunkShape]) -> float:
+        """Predicted seconds for a step running `chunks` (0.0 for an empty step)."""
+        estimate = self.new_estimate()
+        for c in chunks:
+            estimate.add(c.context_len, c.num_new_tokens)
+        return estimate.predicted_time_s
+
+    def new_estimate(self) -> "StepCostEstimate":
+        return StepCostEstimate(self)
+
+    def evaluate(self, samples: Iterable[StepSample]) -> PredictionError:
+        return prediction_error([self.predict(s.chunks) for s in samples],
+                                [s.step_time_s for s in samples])
+
+    # -- fitting ---------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, shape: ModelShape, samples: Sequence[StepSample], *,
+            metadata: dict[str, Any] | None = None) -> "CostModel":
+        """Least-squares fit of the coefficients (>= 0) minimising squared *relative* error."""
+        samples = [s for s in samples if s.chunks]
+        if len(samples) < len(FEATURE_NAMES):
+            raise ValueError(f"need at least {len(FEATURE_NAMES)} non-empty samples, "
+                             f"got {len(samples)}")
+        if any(not s.step_time_s > 0 for s in samples):
+            raise ValueError("measured step times must be positive")
+        probe = cls(shape, {})
+        times = np.array([s.step_time_s for s in samples])
+        rows = np.stack([probe.features(s.chunks) for s in samples]) / times[:, None]
+        x = nonnegative_least_squares(rows, np.ones(len(samples)))
+        return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())), metadata=metadata)
+
+    # -- profile (de)serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": PROFILE_FORMAT,
+            "model_shape": self.shape.to_dict(),
+            "coefficients": dict(self.coefficients),
+            "metadata": dict(self.metadata),
+        }
+        if self.holdout_error is not None:
+            data["holdout_median_abs_pct_error"] = self.holdout_error.median_abs_pct_error
+            data["holdout_p90_abs_pct_error"] = self.holdout_error.p90_abs_pct_error
+            data["holdout_num_samples"] = self.holdout_error.num_samples
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"not a cost profile (expected format {PROFILE_FORMAT!r})")
+        holdout = None
+        if "holdout_median_abs_pct_error" in data:
+            holdout = PredictionError(float(data["holdout_median_abs_pct_error"]),
+                                      float(data["holdout_p90_abs_pct_error"]),
+                                      int(data.get("holdout_num_samples", 0)))
+        return cls(ModelShape.from_dict(data.get("model_shape", {})),
+                   dict(data.get("coefficients", {})), metadata=data.get("metadata"),
+                   holdout_error=holdout)
+
+
+@dataclass
+class StepCostEstimate:
+    """Running sums of one step being built; every method is O(1)."""
+
+    model: CostModel
+    num_requests: int = 0
+    predicted_time_s: float = field(default=0.0)
+
+    def added_time_s(self, context_len: int, num_new_tokens: int) -> float:
+        """Seconds that adding this request's chunk would add to the step (0 for no tokens)."""
+        if num_new_tokens <= 0:
+            return 0.0
+        a, b, c = self._quadratic(context_len)
+        x = float(num_new_tokens)
+        return (a * x + b) * x + c
+
+    def add(self, context_len: int, num_new_tokens: int) -> None:
+        if num_new_tokens <= 0:
+            return
+        self.predicted_time_s += self.added_time_s(context_len, num_new_tokens)
+        self.num_requests += 1
+
+    def max_new_tokens_within(self, context_len: int, max_tokens: int, time_left_s: float
+                              ) -> int:
+        """Largest x in [0, max_tokens] with added_time_s(context_len, x) <= time_left_s."""
+        if max_tokens <= 0:
+            return 0
+        a, b, c = self._quadratic(context_len)
+        room = time_left_s - c
+        if room < 0:
+            return 0
+        if a > 0:  # a x^2 + b x - room = 0, the stable form of the positive root
+            x = 2.0 * room / (b + math.sqrt(b * b + 4.0 * a * room)) if room > 0 else 0.0
+        elif b > 0:
+            x = room / b
+        else:
+            return max_tokens
+        n = int(min(float(max_tokens), math.floor(x)))
+        # Guard the float solve: step down / up by one where rounding put us off the root.
+        while n > 0 and self.added_time_s(context_len, n) > time_left_s:
+            n -= 1
+        while n < max_tokens and self.added_time_s(context_len, n + 1) <= time_left_s:
+            n += 1
+        return n
+
+    def _quadratic(self, context_len: int) -> tuple[float, float, float]:
+        """(a, b, c) with added time a x^2 + b x + c for x new tokens after context_len."""
+        m = self.model
+        p = float(context_len)
+        a = m.s_per_attn_pair / 2.0
+        b = m.s_per_token + m.s_per_attn_pair * p + m.s_per_kv_token
+        c = m.s_per_request + m.s_per_kv_token * p
+        if self.num_requests == 0:  # the first request brings the step's fixed cost
+            c += m.s_per_step
+        return a, b, c
+
+
+def prediction_error(predicted: Sequence[float], measured: Sequence[float]) -> PredictionError:
+    """Median and p90 of |predicted - measured| / measured, in percent."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError("need equally many (and some) predicted and measured times")
+    pred = np.asarray(predicted, dtype=np.float64)
+    meas = np.asarray(measured, dtype=np.float64)
+    if (meas <= 0).any():
+        raise ValueError("measured times must be positive")
+    pct = np.abs(pred - meas) / meas * 100.0
+    return PredictionError(float(np.median(pct)), float(np.percentile(pct, 90)), len(pct))

@@ -1,0 +1,139 @@
+"""Per-request block tables over a BlockPool, with prefix-cache lookups. Pure.
+
+Contract: `allocate_slots` either grows a request's table to hold `num_computed_tokens +
+num_new_tokens` tokens and returns True, or changes nothing and returns False. Full blocks are
+registered in the prefix cache as soon as they are allocated for tokens being computed: the
+runner writes every layer's new KV before any attention reads it, so a block scheduled in the
+same step by another request is already valid when read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.core.block_pool import BlockPool, KVBlock
+from deepinfer.core.prefix_hash import ROOT_HASH, BlockHash, hash_block_tokens
+from deepinfer.core.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Blocks found in the device cache for a request's prompt, not yet referenced."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_salt: BlockHash = ROOT_HASH) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_salt = hash_salt
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}  # blocks of the table registered in the cache
+        # Prefix-cache counters in tokens (vLLM's prefix_cache_queries / hits).
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend `request.block_hashes` to cover every full block of its known tokens."""
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        parent = hashes[-1] if hashes else self.hash_salt
+        for i in range(len(hashes), num_full):
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block_tokens(parent, tokens)
+            hashes.append(parent)
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest cached prefix of the request's full blocks; at least one token is left to
+        compute so the step produces logits."""
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_queries += num_query_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          hit: PrefixHit | None = None) -> int:
+        """New blocks `allocate_slots` would pop from the free queue (cache-hit blocks that
+        sit in the free queue count too, since referencing them removes them)."""
+        have = len(self.req_blocks.get(request.request_id, ()))
+        computed = request.num_computed_tokens
+        reuse_free = 0
+        if hit is not None and hit.blocks:
+            have += len(hit.blocks)
+            computed = hit.num_tokens
+            reuse_free = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        return max(0, total - have) + reuse_free
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       hit: PrefixHit | None = None) -> bool:
+        if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
+            return False
+        table = self.req_blocks.setdefault(request.request_id, [])
+        self._num_hashed_blocks.setdefault(request.request_id, 0)
+        if hit is not None and hit.blocks:
+            assert not table, "a prefix hit only applies to a request without blocks"
+            self.pool.touch(hit.blocks)
+            table.extend(hit.blocks)
+            self._num_hashed_blocks[request.request_id] = len(hit.blocks)
+            computed = hit.num_tokens
+        else:
+            computed = request.num_computed_tokens
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        if total > len(table):
+            table.extend(self.pool.allocate(total - len(table)))
+        self._cache_full_blocks(request, computed + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(request)
+        table = self.req_blocks[request.request_id]
+        start = self._num_hashed_blocks[request.request_id]
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(table[i], request.block_hashes[i])
+        self._num_hashed_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        table = self.req_blocks.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+        if table:
+            # Tail blocks are the least likely to be shared: evict them first.
+            self.pool.free(reversed(table))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for table in self.req_blocks.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, tables hold {refs.get(block.block_id, 0)}"

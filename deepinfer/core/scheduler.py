@@ -1,0 +1,234 @@
+"""Continuous-batching scheduler: one step mixes decodes and prefill chunks. Pure.
+
+Each step: running requests first (FCFS; a decode needs one token, a partly prefilled prompt
+its next chunk), then waiting requests while the budget, `max_num_seqs` and the KV cache allow.
+When a running request cannot get a block, the most recently admitted running request is
+preempted (its blocks freed; it is recomputed later, usually hitting the prefix cache).
+`schedule(now)` returns a data-only SchedulerOutput; `update(output, result)` applies the step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.core.kv_cache_manager import KVCacheManager
+from deepinfer.core.request import Request, RequestStatus
+from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from deepinfer.core.step_budget import StepBudget, StepBudgetPolicy
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs must be >= 1 and max_model_len >= 2")
+
+
+@dataclass
+class SchedulerUpdate:
+    """What one step changed: new tokens per request and the requests that finished."""
+
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 budget_policy: StepBudgetPolicy) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.budget_policy = budget_policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # to tell the runner on the next step
+        self._finished_outside_update: list[Request] = []  # reported by the next update()
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        max_tokens = self.kv.num_blocks * self.kv.block_size
+        if request.num_tokens >= min(self.config.max_model_len, max_tokens):
+            raise ValueError(f"prompt has {request.num_tokens} tokens; the limit is "
+                             f"{min(self.config.max_model_len, max_tokens) - 1}")
+        request.max_model_len = self.config.max_model_len
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop from a stop string) requests; unknown ids are ignored."""
+        done = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        budget = self.budget_policy.new_step()
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = budget.fit_chunk(request.num_computed_tokens, num_new)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                budget.consume(request.num_computed_tokens, num_new)
+                scheduled.append((request, num_new))
+                i += 1
+                continue
+            break  # the request preempted itself: nothing behind it can run either
+
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+
+        output = SchedulerOutput(
+            scheduled=[self._make_scheduled(r, n) for r, n in scheduled],
+            num_batched_tokens=sum(n for _, n in scheduled),
+            preempted_request_ids=preempted,
+            finished_request_ids=self._finished_ids,
+            predicted_step_time_s=budget.predicted_time_s,
+        )
+        self._finished_ids = []
+        return output
+
+    def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv.find_prefix(request)
+            num_computed = hit.num_tokens
+            remaining = request.num_tokens - num_computed
+            num_new = budget.fit_chunk(num_computed, remaining)
+            if num_new == 0 or (num_new < remaining and not self.config.enable_chunked_prefill):
+                break
+            request.num_computed_tokens = num_computed  # 0 unless the cache hit
+            if not self.kv.allocate_slots(request, num_new, hit):
+                request.num_computed_tokens = 0
+                if not self.running:
+                    # Every block is free or evictable and it still does not fit: it never will.
+                    self.waiting.popleft()
+                    self._finish(request, RequestStatus.FINISHED_LENGTH)
+                    self._finished_outside_update.append(request)
+                    continue
+                break
+            self.kv.record_prefix_query(request.num_tokens, num_computed)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget.consume(num_computed, num_new)
+            scheduled.append((request, num_new))
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult) -> SchedulerUpdate:
+        update = SchedulerUpdate(finished=self._finished_outside_update)
+        self._finished_outside_update = []
+        for sched in output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted after scheduling
+            request.num_computed_tokens += sched.num_new_tokens
+            if not sched.sample:
+                continue
+            token_id = result.sampled_token_ids[sched.request_id]
+            request.append_output_token(token_id)
+            update.new_token_ids[sched.request_id] = [token_id]
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                update.finished.append(request)
+        return update
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._finished_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            assert request.request_id in self.kv.req_blocks
+            table = self.kv.req_blocks[request.request_id]
+            assert len(table) * self.kv.block_size >= request.num_computed_tokens
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.request_id not in self.kv.req_blocks
+        assert set(self.requests) == {r.request_id for r in self.running} | \
+            {r.request_id for r in self.waiting}
