@@ -1,0 +1,83 @@
+"""Rotary position embedding (HF / NeoX "rotate_half" layout) with a prebuilt cos/sin table.
+
+The table covers every position up to `max_position_embeddings` and is built once at model
+construction, so a forward only gathers rows by position (no per-call trig or allocation of
+tables). Supported `rope_scaling` types: None/default, "linear", "llama3", and "freq_factors"
+(llama.cpp's `rope_freqs` tensor: per-frequency divisors, as stored in Llama 3.x GGUFs).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, after any rope scaling."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_scaling is None:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "freq_factors":
+        factors = torch.tensor(rope_scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
+        return inv_freq / factors
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, d] and k [T, KV, d] at integer `positions` [T]."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_position_embeddings
+        inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
+        t = torch.arange(max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, d/2], float32 like HF
+        # Cast once to the model dtype, as HF casts cos/sin before applying.
+        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x*cos + rotate_half(x)*sin with the halves written out (no full-width cos/sin cat)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,125 @@
+"""Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+Module names follow Hugging Face so checkpoint names map one-to-one, except two fusions that
+save matmuls on the hot path:
+
+    q_proj | k_proj | v_proj  ->  self_attn.qkv_proj   rows [q (H*d) | k (KV*d) | v (KV*d)]
+    gate_proj | up_proj       ->  mlp.gate_up_proj     rows [gate (I) | up (I)]
+
+The forward takes a flat token batch; which tokens belong to which sequence (and the KV
+cache) is the `AttentionBackend`'s business.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepinfer.layers.attention import AttentionBackend
+from deepinfer.layers.empty_init import uninitialized
+from deepinfer.layers.mlp import SwiGLUMLP
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RotaryEmbedding
+from deepinfer.models.model_config import ModelConfig
+from deepinfer.models.weight_mapping import load_hf_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = uninitialized(
+            nn.Linear, config.hidden_size, self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias, dtype=dtype,
+        )
+        self.o_proj = uninitialized(nn.Linear, self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        if config.qk_norm:  # Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary  # shared table; not registered twice in state_dict (buffers are non-persistent)
+
+    def forward(self, positions: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2*KV) * d]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, d]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, d]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(self.layer_idx, q, k, v)  # [T, H, d]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def forward(self, positions: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = uninitialized(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, attn)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Dense Llama-family causal LM over flat token batches.
+
+    Weights are uninitialised until `load_weights` fills every parameter."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None  # logits use embed_tokens.weight
+        else:
+            self.lm_head = uninitialized(nn.Linear, config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids/positions [T] (tokens of any number of sequences) -> hidden [T, hidden]."""
+        return self.model(input_ids, positions, attn)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters, casting to the model dtype.
+
+        Raises ValueError on unexpected names, wrong shapes, or parameters left unfilled."""
+        load_hf_named_weights(self, weights)

