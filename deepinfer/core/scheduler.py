@@ -93,16 +93,21 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
-        i = 0
-        while i < len(self.running):
-            request = self.running[i]
+        # Running decodes first, then running prefill chunks (Sarathi's decode-maximal
+        # batching): a step always serves its decodes; prefill chunks get what the budget leaves.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        scheduled_ids: set[str] = set()
+        for request in order:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_new = request.num_tokens - request.num_computed_tokens
             num_new = budget.fit_chunk(request.num_computed_tokens, num_new)
             if num_new == 0:
-                i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+                # The most recently admitted request not already scheduled in this step.
+                victim = next(r for r in reversed(self.running)
+                              if r.request_id not in scheduled_ids)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -110,7 +115,7 @@ class Scheduler:
             else:
                 budget.consume(request.num_computed_tokens, num_new)
                 scheduled.append((request, num_new))
-                i += 1
+                scheduled_ids.add(request.request_id)
                 continue
             break  # the request preempted itself: nothing behind it can run either
 
