@@ -54,7 +54,8 @@ class ModelShape:
         """Derive the shape from a model config by reading attributes only (HF-style names:
         `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`,
         `hidden_size`, `intermediate_size`, `vocab_size`; MoE: `num_experts`,
-        `num_experts_per_tok`, `moe_intermediate_size`, `num_shared_experts`)."""
+        `num_experts_per_tok`, `moe_intermediate_size`, `num_shared_experts`). When the config
+        has `num_active_params()` / `num_params()` methods (`ModelConfig`), those counts win."""
         if dtype_bytes < 1:
             raise ValueError("dtype_bytes must be positive")
         num_layers = int(_attr(cfg, "num_hidden_layers", "num_layers"))
@@ -78,12 +79,18 @@ class ModelShape:
         vocab = int(_attr(cfg, "vocab_size", default=0) or 0)
         tied = bool(_attr(cfg, "tie_word_embeddings", default=False))
         embed_params = vocab * hidden * (1 if tied else 2)
+        active_params = num_layers * (attn + active_mlp)
+        total_params = num_layers * (attn + total_mlp) + embed_params
+        # Prefer the config's own counts (they know biases, norms, architecture quirks).
+        if callable(getattr(cfg, "num_active_params", None)):
+            active_params = int(cfg.num_active_params())
+        if callable(getattr(cfg, "num_params", None)):
+            total_params = int(cfg.num_params())
         return cls(
             num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, hidden_size=hidden,
-            active_params=num_layers * (attn + active_mlp),
+            head_dim=head_dim, hidden_size=hidden, active_params=active_params,
             kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * dtype_bytes,
-            weight_bytes=(num_layers * (attn + total_mlp) + embed_params) * dtype_bytes,
+            weight_bytes=total_params * dtype_bytes,
         )
 
 

@@ -172,3 +172,17 @@ def test_modules_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import deepinfer.core.cost_model, deepinfer.core.compute_budget\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_model_shape_agrees_with_model_config_counts():
+    ModelConfig = pytest.importorskip("deepinfer.models.model_config").ModelConfig
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "tie_word_embeddings": True})
+    shape = ModelShape.from_model_config(cfg, dtype_bytes=2)
+    assert shape.active_params == cfg.num_active_params()
+    assert shape.weight_bytes == 2 * cfg.num_params()
+    assert shape.kv_bytes_per_token == cfg.kv_bytes_per_token(2)
+    # The attribute-only path (no count methods) lands within a fraction of a percent.
+    assert abs(SHAPE.active_params - shape.active_params) / shape.active_params < 0.01
