@@ -1,0 +1,222 @@
+"""LLMEngine: one engine loop (scheduler + model runner) and the output processing around it."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from deepinfer.core.kv_cache_manager import KVCacheManager
+from deepinfer.core.request import Request, RequestStatus
+from deepinfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerUpdate
+from deepinfer.core.scheduler_output import StepResult
+from deepinfer.core.step_budget import StepBudgetPolicy, TokenBudgetPolicy
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.engine_config import EngineConfig
+from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from deepinfer.engine.request_state import RequestState, SequenceState
+from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache, parse_memory
+from deepinfer.runtime.model_runner import ModelRunner
+from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, source: ModelSource | None = None,
+                 model: torch.nn.Module | None = None, tokenizer=None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = getattr(torch, config.dtype)
+        self.source = source or resolve_model(config.model)
+        self.model_config = self.source.config
+        self.model_name = config.served_model_name or self.source.name
+        self.tokenizer = tokenizer or self.source.load_tokenizer()
+        self.model = model or load_model(self.source, self.dtype, self.device)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        spec = KVCacheSpec.from_model_config(self.model_config, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(parse_memory(config.kv_cache_memory))
+        self.cache = PagedKVCache(spec, num_blocks, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill),
+            kv_manager, self._build_budget_policy())
+        eos = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._states: dict[str, RequestState] = {}
+        self._child_parent: dict[str, str] = {}
+        self._num_steps = 0
+        self._last_step_time = 0.0
+        self._last_predicted: float | None = None
+        logger.info("engine ready: %s %s on %s, %d KV blocks of %d tokens", self.model_name,
+                    config.dtype, self.device, num_blocks, config.block_size)
+
+    def _build_budget_policy(self) -> StepBudgetPolicy:
+        if self.config.scheduler == "token-budget":
+            return TokenBudgetPolicy(self.config.max_num_batched_tokens)
+        from deepinfer.runtime.budget_factory import build_step_budget_policy
+        return build_step_budget_policy(
+            self.config.scheduler, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            step_time_budget_ms=self.config.step_time_budget_ms,
+            cost_profile_path=self.config.cost_profile, runner=self.runner,
+            model_config=self.model_config, block_size=self.config.block_size,
+            dtype=self.config.dtype)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, prompt: str | None = None) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for bad input."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            children.append(Request(child_id, list(prompt_token_ids), child_params, arrival,
+                                    self.eos_token_ids))
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                           params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+            output = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
+                                      cumulative_logprob=0.0 if params.logprobs is not None else None)
+            state.sequences[child_id] = SequenceState(i, detok, output)
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._states[request_id] = state
+        for child in children:
+            self._child_parent[child.request_id] = request_id
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context "
+                             f"length is {self.max_model_len} tokens")
+        return ids
+
+    def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds this model's maximum context length of {self.max_model_len}")
+        return params
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            state = self._states.pop(request_id, None)
+            if state is None:
+                continue
+            self.scheduler.finish_requests(list(state.sequences), RequestStatus.FINISHED_ABORTED)
+            for child_id in state.sequences:
+                self._child_parent.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        sched_out = self.scheduler.schedule(now)
+        for s in sched_out.scheduled:
+            state = self._states.get(self._child_parent.get(s.request_id, ""))
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                state.num_cached_tokens = self.scheduler.requests[s.request_id].num_cached_tokens or 0
+        result = self.runner.execute(sched_out)
+        update = self.scheduler.update(sched_out, result)
+        self._num_steps += 1
+        self._last_step_time = result.step_time_s
+        self._last_predicted = sched_out.predicted_step_time_s
+        if sched_out.predicted_step_time_s is not None:
+            logger.debug("step %d: predicted %.2f ms, measured %.2f ms", self._num_steps,
+                         sched_out.predicted_step_time_s * 1e3, result.step_time_s * 1e3)
+        return self._process(update, result, time.monotonic())
+
+    def _process(self, update: SchedulerUpdate, result: StepResult, now: float) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {}
+        for child_id, token_ids in update.new_token_ids.items():
+            state = self._states.get(self._child_parent.get(child_id, ""))
+            if state is None:
+                continue
+            seq = state.sequences[child_id]
+            seq.output.token_ids.extend(token_ids)
+            lp = result.logprobs.get(child_id)
+            if lp is not None and seq.output.logprobs is not None:
+                seq.output.logprobs.append(lp)
+                seq.output.cumulative_logprob += lp.logprob
+            stop = seq.detokenizer.add_tokens(token_ids)
+            seq.output.text = seq.detokenizer.text
+            if stop is not None and seq.output.finish_reason is None:
+                self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
+                seq.output.finish_reason, seq.output.stop_reason = "stop", stop
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            touched[state.request_id] = state
+        for request in update.finished:
+            state = self._states.get(self._child_parent.get(request.request_id, ""))
+            if state is None:
+                continue
+            seq = state.sequences[request.request_id]
+            if seq.output.finish_reason is None:
+                seq.output.finish_reason = request.status.finish_reason
+                seq.output.stop_reason = request.stop_token_id if (
+                    request.stop_token_id is not None
+                    and request.stop_token_id not in request.eos_token_ids) else None
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self._release(state)
+            outputs.append(state.to_output())
+        return outputs
+
+    def _release(self, state: RequestState) -> None:
+        self._states.pop(state.request_id, None)
+        for child_id in state.sequences:
+            self._child_parent.pop(child_id, None)
+
+    # ---- stats -----------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage, num_kv_blocks_used=kv.pool.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
+            prefix_cache_hits=kv.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps, step_time_s=self._last_step_time,
+            predicted_step_time_s=self._last_predicted)

@@ -1,0 +1,103 @@
+"""Offline API, vLLM-shaped: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from deepinfer.engine.engine_config import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Offline batch inference on one engine.
+
+    `share_weights_with`: another LLM (same model and dtype) whose loaded weights and tokenizer
+    this one reuses, e.g. to run several cache configurations without reloading the model."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", *,
+                 share_weights_with: LLM | None = None, **engine_kwargs: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, **engine_kwargs)
+        shared = {}
+        if share_weights_with is not None:
+            other = share_weights_with.engine
+            if other.config.model != model or other.config.dtype != dtype:
+                raise ValueError("share_weights_with needs the same model and dtype")
+            shared = dict(source=other.source, model=other.model, tokenizer=other.tokenizer)
+        self.engine = LLMEngine(config, **shared)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        encoded = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            encoded.append((tok(text, add_special_tokens=False).input_ids, text))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer(prompt).input_ids, prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"]), None
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.engine.tokenizer(prompt["prompt"]).input_ids, prompt["prompt"]
+        raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+    def _run(self, encoded: list[tuple[list[int], str | None]], sampling_params,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(encoded)
+        if len(sampling_params) != len(encoded):
+            raise ValueError("need one SamplingParams per prompt (or a single one)")
+        ids = []
+        try:
+            for (token_ids, text), params in zip(encoded, sampling_params):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._drain(ids, use_tqdm)
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]

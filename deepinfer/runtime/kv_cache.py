@@ -1,0 +1,79 @@
+"""Paged KV cache tensors and their sizing from a memory budget.
+
+Layout, one tensor for all layers (block-major inside each head so a request's blocks gather
+into one contiguous [kv_heads, tokens, head_dim] run per head):
+
+    kv[layer, 0=K|1=V, kv_head, block_id, slot_in_block, head_dim]
+
+A token's slot is block_id * block_size + slot_in_block.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.models.model_config import ModelConfig
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
+          "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
+          "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_memory(text: str | int) -> int:
+    """'4GiB' / '512MiB' / '2G' / 1000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {text!r} (use e.g. '4GiB', '512MiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                   block_size, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        num = memory_bytes // self.bytes_per_block
+        if num < 2:
+            raise ValueError(f"KV cache memory {memory_bytes} B holds fewer than 2 blocks "
+                             f"({self.bytes_per_block} B each)")
+        return int(num)
+
+
+class PagedKVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # empty, not zeros: unwritten slots are never read (masked), and zeroing GBs is slow.
+        self.kv = torch.empty(spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size,
+                              spec.head_dim, dtype=spec.dtype, device=device)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, each [kv_heads, num_blocks, block_size, head_dim]."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of whole blocks: [num_layers, 2, kv_heads, len(block_ids), block_size, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(3, index)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(3, index, data.to(self.kv.dtype))

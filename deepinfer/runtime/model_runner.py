@@ -1,0 +1,97 @@
+"""Runs one SchedulerOutput through the model: batch tensors, paged attention, sampling."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from deepinfer.runtime.kv_cache import PagedKVCache
+from deepinfer.runtime.paged_attention import (AttentionMetadata, DecodeMetadata, PagedAttention,
+                                               PrefillChunkMetadata)
+from deepinfer.runtime.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, device: torch.device,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.spec.block_size
+        self.num_heads = model.config.num_attention_heads
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        start = time.perf_counter()
+        self.sampler.drop(output.finished_request_ids + output.preempted_request_ids)
+        if output.is_empty:
+            return StepResult({}, step_time_s=0.0)
+        # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.
+        ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)
+        input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
+        attn = PagedAttention(self.cache, meta, self.num_heads)
+        hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        sampled: dict[str, int] = {}
+        logprobs = {}
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[sample_idx])  # [N, vocab] fp32
+            token_ids, logprobs = self.sampler.sample(logits, sample_reqs)
+            sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(sampled, logprobs, step_time_s=time.perf_counter() - start)
+
+    def _prepare(self, ordered: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        sample_reqs: list[ScheduledRequest] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunkMetadata] = []
+        for r in ordered:
+            first = len(input_ids)
+            p0 = r.num_computed_tokens
+            input_ids.extend(r.token_ids)
+            pos = range(p0, p0 + r.num_new_tokens)
+            positions.extend(pos)
+            slots.extend(r.block_ids[p // bs] * bs + p % bs for p in pos)
+            if r.sample:
+                sample_idx.append(len(input_ids) - 1)
+                sample_reqs.append(r)
+            if r.num_new_tokens == 1:
+                num_blocks = -(-r.context_len // bs)
+                decode_tables.append(r.block_ids[:num_blocks])
+                decode_lens.append(r.context_len)
+            else:
+                prefills.append(self._prefill_meta(r, first))
+        dev = self.device
+        decode = self._decode_meta(decode_tables, decode_lens) if decode_tables else None
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), decode, prefills)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_reqs)
+
+    def _decode_meta(self, tables: list[list[int]], lens: list[int]) -> DecodeMetadata:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        ctx = torch.arange(width * self.block_size, device=dev)
+        mask = ctx.unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, ctx]
+        return DecodeMetadata(len(tables), torch.tensor(padded, dtype=torch.long, device=dev),
+                              mask[:, None, None, :])
+
+    def _prefill_meta(self, r: ScheduledRequest, start: int) -> PrefillChunkMetadata:
+        p0, x = r.num_computed_tokens, r.num_new_tokens
+        if p0 == 0:
+            return PrefillChunkMetadata(start, x, 0, None, None)
+        dev = self.device
+        num_blocks = -(-(p0 + x) // self.block_size)
+        block_ids = torch.tensor(r.block_ids[:num_blocks], dtype=torch.long, device=dev)
+        keys = torch.arange(p0 + x, device=dev).unsqueeze(0)
+        queries = torch.arange(p0, p0 + x, device=dev).unsqueeze(1)
+        return PrefillChunkMetadata(start, x, p0, block_ids, keys <= queries)

@@ -1,0 +1,92 @@
+"""Paged attention over a mixed batch: decodes first (batched), then prefill chunks.
+
+The flat token batch is laid out as
+
+    [ decode tok 0 | ... | decode tok B-1 | chunk 0 tokens ... | chunk 1 tokens ... ]
+
+Every layer first writes the step's new K/V into the cache (so a block computed this step by
+one request is readable by another that hit it in the prefix cache), then attends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deepinfer.runtime.kv_cache import PagedKVCache
+
+
+@dataclass
+class DecodeMetadata:
+    num_tokens: int
+    block_tables: Tensor  # [B, max_blocks] long (padding points at block 0, masked out)
+    attn_mask: Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
+class PrefillChunkMetadata:
+    start: int  # flat index of the chunk's first token
+    num_tokens: int
+    num_computed_tokens: int  # context before the chunk (prefix hit or earlier chunks)
+    block_ids: Tensor | None  # [num_blocks] long; None when the chunk has no prefix
+    attn_mask: Tensor | None  # [x, P + x] bool causal-with-offset; None when P == 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor  # [T] long: cache slot of each new token
+    decode: DecodeMetadata | None
+    prefills: list[PrefillChunkMetadata]
+
+
+class PagedAttention:
+    """AttentionBackend for one step."""
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, num_heads: int) -> None:
+        self.cache = cache
+        self.meta = metadata
+        self.num_heads = num_heads
+
+    def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache, v_cache = self.cache.layer(layer_idx)  # [KV, blocks, bs, d]
+        num_kv_heads, _, _, head_dim = k_cache.shape
+        slots = self.meta.slot_mapping
+        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        out = torch.empty_like(q)
+        gqa = self.num_heads != num_kv_heads
+        if self.meta.decode is not None:
+            self._decode(q, k_cache, v_cache, out, gqa)
+        for chunk in self.meta.prefills:
+            self._prefill(chunk, q, k, v, k_cache, v_cache, out, gqa)
+        return out
+
+    def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:
+        meta = self.meta.decode
+        num, tables = meta.num_tokens, meta.block_tables
+        num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+        # Gather each request's blocks into one contiguous run: [KV, B, ctx, d] -> [B, KV, ctx, d]
+        keys = k_cache[:, tables].view(num_kv_heads, num, -1, head_dim).transpose(0, 1)
+        values = v_cache[:, tables].view(num_kv_heads, num, -1, head_dim).transpose(0, 1)
+        query = q[:num].unsqueeze(2)  # [B, H, 1, d]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.attn_mask,
+                                           enable_gqa=gqa)
+        out[:num] = o.squeeze(2)
+
+    def _prefill(self, chunk: PrefillChunkMetadata, q: Tensor, k: Tensor, v: Tensor,
+                 k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:
+        lo, hi = chunk.start, chunk.start + chunk.num_tokens
+        query = q[lo:hi].transpose(0, 1)  # [H, x, d]
+        if chunk.block_ids is None:
+            keys, values = k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1)  # [KV, x, d]
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            ctx = chunk.num_computed_tokens + chunk.num_tokens
+            num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+            keys = k_cache[:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+            values = v_cache[:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.attn_mask,
+                                               enable_gqa=gqa)
+        out[lo:hi] = o.transpose(0, 1)
