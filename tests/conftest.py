@@ -1,0 +1,61 @@
+"""Shared session fixtures. Each owner keeps a clearly named section."""
+from __future__ import annotations
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Engine reference tests (tests/integration/test_engine_reference.py, test_sampling.py,
+# test_cli.py): ONE Hugging Face reference model and ONE fp32 engine per session; other engine
+# configurations reuse the base engine's weights via `share_weights_with=`.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """`HFReference`: transformers fp32 on the embedded GGUF, greedy traces memoised."""
+    from tests.integration.hf_reference import HFReference, default_gguf_path
+    return HFReference(default_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def engine_base_llm():
+    """The default model in fp32 with prefix caching on (the engine's defaults otherwise)."""
+    from deepinfer import LLM
+    return LLM(model=None, dtype="float32", kv_cache_memory="1GiB", seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_engine_llm(engine_base_llm):
+    """Factory: `make_engine_llm(**LLM kwargs)` -> an LLM on the base engine's weights."""
+    from deepinfer import LLM
+
+    def make(**kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("seed", 0)
+        if "num_kv_blocks" not in kwargs:
+            kwargs.setdefault("kv_cache_memory", "256MiB")
+        return LLM(model=None, share_weights_with=engine_base_llm, **kwargs)
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and loading (tests/integration/test_gguf_loader.py): the embedded default model,
+# resolved once and loaded once in fp32 per session.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_model_source():
+    """`ModelSource` of the embedded SmolLM2-135M-Instruct GGUF."""
+    from deepinfer.runtime.model_source import resolve_model
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32(default_model_source):
+    """Our LlamaForCausalLM on the default model, float32 (read-only: do not modify)."""
+    import torch
+
+    from deepinfer.runtime.model_source import load_model
+    return load_model(default_model_source, torch.float32)
