@@ -31,6 +31,13 @@ class LLM:
         self.engine = LLMEngine(config, **shared)
         self._counter = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._counter = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
