@@ -1,0 +1,96 @@
+"""The Redis prefix store against a real redis-server started by this module."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from deepinfer.core.prefix_hash import hash_request_blocks, salt_hash
+from deepinfer.kvstore import open_store
+from deepinfer.kvstore.redis_store import RedisKVBlockStore
+from tests.integration.redis_server import free_port, running_redis_server
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+CHILD = str(Path(__file__).with_name("kvstore_child.py"))
+SALT = salt_hash("SmolLM2-135M", "float32", "16", "test-layout")
+HASHES = hash_request_blocks(list(range(160)), 16)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with running_redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def store(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    s = open_store(redis_url, SALT, layout="L")
+    yield s
+    s.close()
+
+
+def test_put_get_and_pipelined_longest_prefix(store):
+    for i in (0, 1, 2, 5):
+        store.put(HASHES[i], bytes([i]) * 5000)
+    assert store.get(HASHES[2]) == bytes([2]) * 5000 and store.get(HASHES[3]) is None
+    assert store.longest_prefix(HASHES) == 3 and store.longest_prefix([]) == 0
+    store.put(HASHES[0], b"ignored")
+    st = store.stats()
+    assert (st.num_hits, st.num_misses, st.num_puts, st.num_put_skipped) == (1, 1, 4, 1)
+
+
+def test_corrupt_value_is_a_counted_deleted_miss(store):
+    store.put(HASHES[0], b"x" * 100)
+    raw = redis.Redis.from_url(store.url)
+    value = bytearray(raw.get(store.key(HASHES[0])))
+    value[-1] ^= 1
+    raw.set(store.key(HASHES[0]), bytes(value))
+    assert store.get(HASHES[0]) is None
+    assert store.stats().num_corrupt == 1 and raw.exists(store.key(HASHES[0])) == 0
+
+
+def test_salts_are_separate_namespaces(store, redis_url):
+    store.put(HASHES[0], b"a")
+    other = open_store(redis_url, salt_hash("another model"), layout="L")
+    assert other.get(HASHES[0]) is None and other.longest_prefix(HASHES) == 0
+
+
+def test_ttl_is_renewed_by_reads(redis_url):
+    raw = redis.Redis.from_url(redis_url)
+    raw.flushdb()
+    s = open_store(f"{redis_url}?ttl_s=100", SALT)
+    s.put(HASHES[0], b"a")
+    assert 90 < raw.ttl(s.key(HASHES[0])) <= 100
+    raw.expire(s.key(HASHES[0]), 5)
+    assert s.get(HASHES[0]) == b"a"
+    assert raw.ttl(s.key(HASHES[0])) > 50
+
+
+def test_blocks_written_by_one_process_are_read_by_another(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    outs = []
+    for mode, seed in (("write", 1), ("read", 2)):
+        out = subprocess.run([sys.executable, CHILD, mode, redis_url], capture_output=True,
+                             text=True, timeout=30, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        outs.append(json.loads(out.stdout))
+    written, read = outs
+    assert written["hashes"] == read["hashes"] and written["str_hash"] != read["str_hash"]
+    assert read["stats"]["num_hits"] == 12 and read["bad_payloads"] == 0
+
+
+def test_unreachable_server_is_a_fast_miss_not_an_error():
+    s = RedisKVBlockStore(f"redis://127.0.0.1:{free_port()}/0", SALT, socket_timeout_s=0.5)
+    start = time.monotonic()
+    assert s.get(HASHES[0]) is None
+    assert s.longest_prefix(HASHES) == 0
+    s.put(HASHES[0], b"a")
+    assert time.monotonic() - start < 5
+    assert s.stats().num_errors == 3
