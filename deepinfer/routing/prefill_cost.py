@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deepinfer.core.cost_model import ChunkShape
+
 PrefillCostFn = Callable[[int, int], float]
 
 
@@ -31,3 +33,22 @@ class LinearQuadraticPrefillCost:
             return 0.0
         return (self.overhead_s + self.per_token_s * x + self.per_token_pair_s * x * (p + x / 2)
                 + self.per_cached_token_s * p)
+
+
+@dataclass(frozen=True)
+class CostModelPrefillCost:
+    """Prefill cost from a calibrated `core.cost_model.CostModel`: the predicted time of a step
+    that computes the request's x uncached tokens after its P cached ones, plus a per-token
+    load cost for the cached tokens (read from the prefix store, not computed)."""
+
+    cost_model: object  # core.cost_model.CostModel (anything with predict(chunks) -> seconds)
+    per_cached_token_s: float = 2e-6
+
+    def __call__(self, num_uncached_tokens: int, num_cached_tokens: int) -> float:
+        if num_uncached_tokens < 0 or num_cached_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        load_s = self.per_cached_token_s * num_cached_tokens
+        if num_uncached_tokens == 0:
+            return load_s
+        step = [ChunkShape(context_len=num_cached_tokens, num_new_tokens=num_uncached_tokens)]
+        return float(self.cost_model.predict(step)) + load_s

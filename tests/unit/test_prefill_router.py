@@ -198,3 +198,23 @@ def test_factory_and_request_validation():
     with pytest.raises(ValueError, match="role"):
         WorkerLoad("w", "encoder", 0.0)
 
+
+
+def test_cost_model_prefill_cost_feeds_least_compute():
+    from types import SimpleNamespace
+
+    from deepinfer.core.cost_model import CostModel
+    from deepinfer.core.model_shape import ModelShape
+    from deepinfer.routing import CostModelPrefillCost
+    config = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                             num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                             vocab_size=49152, tie_word_embeddings=True)
+    model = CostModel(ModelShape.from_model_config(config, dtype_bytes=2),
+                      {"linear_flops": 2e-11, "attention_flops": 6e-11, "step": 4e-3})
+    cost = CostModelPrefillCost(model)
+    assert cost(2000, 0) > cost(1000, 0) > cost(100, 900) > cost(0, 1000) > 0
+    router = build_prefill_router("least-compute", prefill_cost=cost)
+    loads = [load("p0"), load("p1")]
+    router.route(RoutingRequest("long", 2000), loads, 0.0)
+    assert router.reserved("p0").predicted_cost_s == pytest.approx(cost(2000, 0))
+    assert [router.route(RoutingRequest(f"s{k}", 200), loads, 0.0) for k in range(3)] == ["p1"] * 3
