@@ -1,12 +1,92 @@
-"""`deepinfer serve` (placeholder until its issue lands)."""
+"""`deepinfer serve`: the OpenAI-compatible server (engine in its own process).
+
+`--demo` (used by `make run`) sends one chat request through the official `openai` client once
+the server is up, prints the answer, and keeps serving until Ctrl-C.
+"""
 from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
+
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="not implemented yet")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 429 when this many requests are already waiting")
+    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--demo", action="store_true",
+                   help="send one chat request with the openai client once ready, print it")
+    g.add_argument("--demo-question", default=DEMO_QUESTION)
     p.set_defaults(func=_run)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    from deepinfer.cli.main import CLIError
+
+    if not 0 < port < 65536:
+        raise CLIError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _announce(host: str, port: int) -> None:
+    print(f"DeepInfer OpenAI-compatible server on http://{host}:{port}/v1 (Ctrl-C to stop)",
+          flush=True)
+
+
+def _demo(api_key: str | None, question: str, host: str, port: int) -> None:
+    """Runs in a worker thread once the port is open."""
+    _announce(host, port)
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{host}:{port}/v1", api_key=api_key or "none")
+    model = client.models.list().data[0].id
+    print(f"> {question}", flush=True)
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=64,
+        temperature=0.0)
+    usage = response.usage
+    print(f"< {response.choices[0].message.content}", flush=True)
+    print(f"({usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; "
+          "still serving, Ctrl-C to stop)", flush=True)
 
 
 def _run(args) -> int:
     from deepinfer.cli.main import CLIError
-    raise CLIError("'serve' is not implemented yet")
+    from deepinfer.server.api_server import ServerConfig, run_server
+    from deepinfer.server.engine_client import EngineDeadError
+
+    engine_config = engine_config_from_args(args)
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise CLIError("--max-waiting-requests must be at least 1")
+    _check_port_free(args.host, args.port)
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests,
+                          log_level=args.uvicorn_log_level)
+    if args.demo:
+        def on_ready(host: str, port: int) -> None:
+            try:
+                _demo(args.api_key, args.demo_question, host, port)
+            except Exception as e:  # the server keeps serving even if the demo fails
+                print(f"demo request failed: {e}", file=sys.stderr, flush=True)
+    else:
+        on_ready = _announce
+    try:
+        asyncio.run(run_server(engine_config, config, on_ready=on_ready))
+    except EngineDeadError as e:
+        raise CLIError(str(e).strip().splitlines()[-1]) from None
+    return 0

@@ -1,0 +1,165 @@
+"""The OpenAI-compatible HTTP front: FastAPI routes over an `EngineClient`, served by uvicorn.
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions. Every error is an OpenAI-style body (see `errors.APIError`).
+A client that disconnects (streaming or not) cancels its handler, which aborts its engine
+request and so frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer.server.engine_client import EngineClient
+from deepinfer.server.errors import APIError, from_validation_error
+from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from deepinfer.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+)
+from deepinfer.server.serving_chat import OpenAIServingChat
+from deepinfer.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    log_level: str = "warning"
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnect(raw_request: Request, coro):
+    """Await `coro`, cancelling it if the client goes away first (frees its engine request)."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientDisconnected()
+
+
+class ApiKeyMiddleware:
+    """401 for /v1/* requests without `Authorization: Bearer <api_key>`. Pure ASGI (not
+    BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            header = headers.get(b"authorization", b"")
+            token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
+                response = APIError(401, "Invalid or missing API key",
+                                    type="authentication_error", code="invalid_api_key")
+                await response.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
+    """The app for an already started engine client."""
+    served_names = [client.model_name]  # EngineConfig.served_model_name, else the model's
+    metrics = ServerMetrics(served_names[0], lambda: client.stats)
+    completion = OpenAIServingCompletion(client, metrics, served_names,
+                                         config.max_waiting_requests)
+    chat = OpenAIServingChat(client, metrics, served_names, config.max_waiting_requests)
+    app = FastAPI(title="DeepInfer OpenAI-compatible API")
+
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError):
+        return exc.to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).to_response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if client.is_healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=client.model_name,
+                                         max_model_len=client.max_model_len)
+                               for name in served_names])
+
+    async def serve(raw_request: Request, request_cls, serving) -> Response:
+        try:
+            request = request_cls.model_validate_json(await raw_request.body())
+        except ValidationError as e:
+            return from_validation_error(e).to_response()
+        try:
+            result = await _until_disconnect(raw_request, serving.create(request))
+        except _ClientDisconnected:
+            return Response(status_code=499)
+        if request.stream:
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await serve(raw_request, CompletionRequest, completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await serve(raw_request, ChatCompletionRequest, chat)
+
+    return app
+
+
+async def run_server(engine_config, config: ServerConfig, on_ready=None) -> None:
+    """Start the engine process, then serve HTTP until uvicorn exits (Ctrl-C / SIGTERM).
+    `on_ready(host, port)` (optional, sync) is called once the port accepts connections."""
+    import uvicorn
+
+    client = EngineClient(engine_config, log_level=config.log_level)
+    try:
+        await client.start()
+        app = build_app(client, config)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                               log_level=config.log_level.lower(),
+                                               timeout_keep_alive=30))
+        serve_task = asyncio.create_task(server.serve())
+        if on_ready is not None:
+            while not server.started and not serve_task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                await asyncio.to_thread(on_ready, config.host, config.port)
+        await serve_task
+    finally:
+        await client.shutdown()

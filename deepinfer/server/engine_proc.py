@@ -1,0 +1,219 @@
+"""The engine process: owns an `LLMEngine` and runs its step loop, fed over ZMQ.
+
+    front PUSH ──AddRequest / AbortRequest / Shutdown──▶ PULL ┐
+                                                             engine loop (step, step, ...)
+    front PULL ◀──────────EngineOutputs (deltas + stats)── PUSH ┘
+
+The loop never waits on the front: between steps it drains whatever messages have arrived
+(non-blocking) and sends one `EngineOutputs` per step (deltas of every request that progressed
+plus a stats snapshot) on an unbounded PUSH socket. When idle it blocks on the input socket
+with a timeout, so it wakes for new work at once and still notices a dead parent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from deepinfer.server.messages import (
+    AbortRequest, AddRequest, ChoiceDelta, EngineDead, EngineOutputs, EngineReady,
+    EngineStatsSnapshot, RequestDelta, RequestError, RequestTimes, Shutdown, make_encoder,
+    make_front_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # idle wake-up: parent check and periodic stats
+IDLE_STATS_PERIOD_S = 1.0
+
+
+@dataclass
+class _SentChoice:
+    """How much of one choice's cumulative output has been sent already."""
+
+    num_tokens: int = 0
+    text_len: int = 0
+    num_logprobs: int = 0
+
+
+class OutputDeltaTracker:
+    """Turns the engine's cumulative `RequestOutput`s into `RequestDelta`s.
+
+    Stop strings: the engine cuts the text where a stop string appears, which can remove up to
+    len(stop) - 1 characters that an earlier step already showed. So until a choice finishes
+    its last `max(len(stop)) - 1` characters are held back (as vLLM does when streaming).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, _SentChoice]] = {}
+        self._holdback: dict[str, int] = {}
+
+    def add_request(self, request_id: str, params) -> None:
+        if params.stop and not params.include_stop_str_in_output:
+            self._holdback[request_id] = max(len(s) for s in params.stop) - 1
+
+    def to_delta(self, output) -> RequestDelta:
+        sent = self._sent.setdefault(output.request_id, {})
+        holdback = self._holdback.get(output.request_id, 0)
+        choices = [self._choice_delta(c, sent.setdefault(c.index, _SentChoice()), holdback)
+                   for c in output.outputs]
+        times = _request_times(output.metrics) if output.finished else None
+        if output.finished:
+            self.forget([output.request_id])
+        return RequestDelta(request_id=output.request_id, choices=choices,
+                            finished=output.finished,
+                            num_cached_tokens=int(output.num_cached_tokens or 0), times=times)
+
+    @staticmethod
+    def _choice_delta(completion, sent: _SentChoice, holdback: int) -> ChoiceDelta:
+        text = completion.text or ""
+        if completion.finish_reason is None and holdback:
+            text = text[:max(0, len(text) - holdback)]
+        new_text = text[sent.text_len:] if len(text) >= sent.text_len else ""
+        new_ids = list(completion.token_ids[sent.num_tokens:])
+        new_logprobs = None
+        if completion.logprobs is not None:
+            new_logprobs = list(completion.logprobs[sent.num_logprobs:])
+            sent.num_logprobs = len(completion.logprobs)
+        sent.text_len = max(sent.text_len, len(text))
+        sent.num_tokens = len(completion.token_ids)
+        return ChoiceDelta(index=completion.index, text=new_text, token_ids=new_ids,
+                           logprobs=new_logprobs, finish_reason=completion.finish_reason,
+                           stop_reason=completion.stop_reason,
+                           cumulative_logprob=completion.cumulative_logprob)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._sent.pop(request_id, None)
+            self._holdback.pop(request_id, None)
+
+
+def _request_times(metrics) -> RequestTimes | None:
+    if metrics is None:
+        return None
+    return RequestTimes(arrival_time=metrics.arrival_time,
+                        first_scheduled_time=metrics.first_scheduled_time,
+                        first_token_time=metrics.first_token_time,
+                        last_token_time=metrics.last_token_time,
+                        finished_time=metrics.finished_time)
+
+
+def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
+    s = engine.get_stats()
+    return EngineStatsSnapshot(
+        num_running=s.num_running, num_waiting=s.num_waiting,
+        kv_cache_usage=float(s.kv_cache_usage), num_kv_blocks_used=s.num_kv_blocks_used,
+        num_kv_blocks_total=s.num_kv_blocks_total, prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+        step_time_s=s.step_time_s, predicted_step_time_s=s.predicted_step_time_s,
+        num_requests_received=num_requests_received)
+
+
+class EngineLoop:
+    """Busy loop around one engine; `run()` returns when asked to shut down."""
+
+    def __init__(self, engine, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 parent_pid: int | None = None) -> None:
+        self.engine = engine
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.tracker = OutputDeltaTracker()
+        self.encoder = make_encoder()
+        self.decoder = make_front_decoder()
+        self.num_requests_received = 0
+        self._pending_errors: list[RequestError] = []
+        self._stats_dirty = True
+        self._last_stats_time = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            if not self._drain_inputs(0 if busy else IDLE_POLL_MS):
+                return
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                self._send_outputs([self.tracker.to_delta(o) for o in outputs])
+            elif self._pending_errors or self._stats_dirty or \
+                    time.monotonic() - self._last_stats_time > IDLE_STATS_PERIOD_S:
+                self._send_outputs([])
+            if not busy and self.parent_pid is not None and os.getppid() != self.parent_pid:
+                logger.warning("front process is gone; engine exiting")
+                return
+
+    def _drain_inputs(self, timeout_ms: int) -> bool:
+        """Handle every queued message; False when a Shutdown arrived."""
+        if not self.input_socket.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = self.decoder.decode(frame)
+            if isinstance(message, Shutdown):
+                return False
+            self._handle(message)
+
+    def _handle(self, message: AddRequest | AbortRequest) -> None:
+        self._stats_dirty = True
+        if isinstance(message, AbortRequest):
+            self.engine.abort_request(message.request_ids)
+            self.tracker.forget(message.request_ids)
+            return
+        self.num_requests_received += 1
+        try:
+            self.engine.add_request(message.request_id, message.prompt_token_ids,
+                                    message.sampling_params, arrival_time=message.arrival_time)
+            self.tracker.add_request(message.request_id, message.sampling_params)
+        except ValueError as e:
+            self._pending_errors.append(RequestError(message.request_id, str(e)))
+
+    def _send_outputs(self, deltas: list[RequestDelta]) -> None:
+        stats = _stats_snapshot(self.engine, self.num_requests_received)
+        message = EngineOutputs(outputs=deltas, errors=self._pending_errors, stats=stats)
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+        self._pending_errors = []
+        self._stats_dirty = False
+        self._last_stats_time = time.monotonic()
+
+
+def run_engine_proc(engine_config, input_addr: str, output_addr: str, parent_pid: int,
+                    log_level: str = "WARNING") -> None:
+    """Spawn target: load the engine, announce readiness, loop until Shutdown or parent exit."""
+    # Ctrl-C reaches the whole process group; the front shuts us down with a Shutdown message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine: %(message)s")
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(input_addr)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: never block the loop on the front
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_addr)
+    encoder = make_encoder()
+    try:
+        from deepinfer.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_config)
+        output_socket.send(encoder.encode(EngineReady(
+            model_name=engine.model_name, max_model_len=int(engine.max_model_len),
+            vocab_size=int(engine.model_config.vocab_size),
+            tokenizer_pickle=pickle.dumps(engine.tokenizer))))
+        EngineLoop(engine, input_socket, output_socket, parent_pid).run()
+    except Exception:  # report, then die: the front turns this into 5xx and /health 503
+        message = traceback.format_exc()
+        logger.error("engine failed:\n%s", message)
+        output_socket.send(encoder.encode(EngineDead(message=message[-4000:])))
+        raise SystemExit(1)
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        ctx.term()

@@ -1,0 +1,137 @@
+"""Typed messages between the API front and an engine process (msgpack via msgspec).
+
+This is the seam between the HTTP front door and whatever runs the model: today one colocated
+engine process, later the disaggregated prefill/decode workers. Two one-way ZMQ PUSH/PULL
+channels carry them:
+
+    front ──FrontMessage──▶ engine      (AddRequest | AbortRequest | Shutdown)
+    front ◀──EngineMessage── engine     (EngineReady | EngineOutputs | EngineDead)
+
+Outputs are *deltas*: each `ChoiceDelta` carries only the tokens, text and logprobs produced
+since the previous message for that (request, choice), so a long generation costs O(tokens)
+on the wire, not O(tokens^2).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.sampling_params import SamplingParams
+
+# --- front -> engine ---------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """Start a request. `arrival_time` is `time.monotonic()` in the front (system-wide clock)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Stop requests and free their KV blocks; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Ask the engine loop to exit cleanly."""
+
+
+FrontMessage = AddRequest | AbortRequest | Shutdown
+
+# --- engine -> front ---------------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    """Sent once after the model is loaded. `tokenizer_pickle` lets the front tokenize with
+    exactly the engine's tokenizer (chat template included) without loading the model."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer_pickle: bytes
+
+
+class ChoiceDelta(msgspec.Struct):
+    """New output of one choice (`index` < n) since the last message for it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+
+
+class RequestTimes(msgspec.Struct):
+    """Engine-side timestamps (time.monotonic(), same clock as the front)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class RequestDelta(msgspec.Struct):
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    times: RequestTimes | None = None  # only on the final delta
+
+
+class RequestError(msgspec.Struct):
+    """The engine rejected a request (e.g. prompt longer than the context); it holds no state."""
+
+    request_id: str
+    message: str
+
+
+class EngineStatsSnapshot(msgspec.Struct):
+    """Engine gauges and cumulative counters after a step (or while idle)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_time_s: float | None = None
+    predicted_step_time_s: float | None = None
+    num_requests_received: int = 0  # AddRequests consumed so far: lets the front size its queue
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestDelta]
+    errors: list[RequestError] = []
+    stats: EngineStatsSnapshot | None = None
+
+
+class EngineDead(msgspec.Struct, tag=True):
+    """The engine loop hit an unrecoverable error and is exiting."""
+
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | EngineDead
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_front_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for messages the engine receives."""
+    return msgspec.msgpack.Decoder(FrontMessage)
+
+
+def make_engine_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for messages the front receives."""
+    return msgspec.msgpack.Decoder(EngineMessage)

@@ -1,0 +1,226 @@
+"""What both OpenAI endpoints share: model check, limits, SamplingParams, one engine request.
+
+The endpoint classes (`serving_completion`, `serving_chat`) turn a validated pydantic request
+into one or more engine requests with `submit()`, then shape the accumulated choices into
+OpenAI responses or SSE chunks.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.engine_client import EngineClient, EngineDeadError
+from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import PromptTokensDetails, UsageInfo
+
+
+@dataclass
+class ChoiceState:
+    """Accumulated output of one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def apply(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class EngineRequestState:
+    """One engine request (one prompt, `n` choices) as the front accumulates it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[ChoiceState]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+    def apply(self, delta: RequestDelta) -> None:
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.finished = delta.finished
+        for choice_delta in delta.choices:
+            self.choices[choice_delta.index].apply(choice_delta)
+
+
+@dataclass(frozen=True)
+class NewOutput:
+    """Where the unsent part of a choice starts."""
+
+    token_start: int
+    char_start: int
+    is_first: bool
+
+
+@dataclass
+class StreamCursor:
+    """How much of one choice a stream has sent; `advance` says what to send next."""
+
+    num_tokens: int = 0
+    num_chars: int = 0
+    started: bool = False
+    done: bool = False
+
+    def advance(self, choice: ChoiceState) -> NewOutput | None:
+        """None when there is nothing new (or the choice's final chunk was already sent)."""
+        if self.done:
+            return None
+        finished = choice.finish_reason is not None
+        if len(choice.token_ids) == self.num_tokens and not finished:
+            return None
+        new = NewOutput(self.num_tokens, self.num_chars, not self.started)
+        self.num_tokens = len(choice.token_ids)
+        self.num_chars = len(choice.text)
+        self.started = True
+        self.done = finished
+        return new
+
+
+def make_usage(states: list[EngineRequestState]) -> UsageInfo:
+    prompt = sum(len(s.prompt_token_ids) for s in states)
+    completion = sum(len(c.token_ids) for s in states for c in s.choices)
+    cached = sum(s.num_cached_tokens for s in states)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """Shared request handling for one served model."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics,
+                 served_model_names: list[str], max_waiting_requests: int | None) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.served_model_names = served_model_names
+        self.max_waiting_requests = max_waiting_requests
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise bad_request(f"The model `{model}` does not exist. Served models: "
+                              f"{', '.join(self.served_model_names)}", param="model",
+                              code="model_not_found")
+
+    def check_capacity(self, num_new_requests: int) -> None:
+        if self.max_waiting_requests is None:
+            return
+        if self.client.num_waiting_requests + num_new_requests > self.max_waiting_requests:
+            raise APIError(429, f"Too many waiting requests (limit {self.max_waiting_requests});"
+                           " retry later", type="rate_limit_error", code="rate_limit_exceeded")
+
+    @staticmethod
+    def reject_unsupported(request) -> None:
+        if request.presence_penalty or request.frequency_penalty:
+            raise bad_request("presence_penalty and frequency_penalty are not supported",
+                              param="presence_penalty")
+        if request.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's output budget; 400 if the prompt (plus budget) exceeds the context."""
+        limit = self.client.max_model_len
+        if num_prompt_tokens == 0:
+            raise bad_request("The prompt is empty", param="prompt")
+        if num_prompt_tokens >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However,"
+                              f" your prompt has {num_prompt_tokens} tokens.",
+                              param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However,"
+                              f" you requested {num_prompt_tokens + max_tokens} tokens "
+                              f"({num_prompt_tokens} in the prompt, {max_tokens} in the "
+                              "completion).", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        vocab_size = self.client.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise bad_request(f"Token id {token_id} is out of vocabulary "
+                                  f"[0, {vocab_size})", param="prompt")
+
+    @staticmethod
+    def make_sampling_params(request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k if request.top_k is not None else 0,
+                min_p=request.min_p if request.min_p is not None else 0.0,
+                seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
+                stop=request.stop or [], stop_token_ids=request.stop_token_ids or [],
+                ignore_eos=request.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[EngineRequestState]:
+        """Run one engine request; yields its state after every delta (same object, updated).
+        Engine rejection -> 400 APIError; dead engine -> 500 APIError."""
+        arrival = time.monotonic()
+        state = EngineRequestState(request_id, prompt_token_ids,
+                                   [ChoiceState(i) for i in range(params.n)])
+        timer = self.metrics.request_timer(arrival)
+        finished = False
+        try:
+            async for delta in self.client.generate(request_id, prompt_token_ids, params,
+                                                    arrival):
+                now = time.monotonic()
+                state.apply(delta)
+                timer.on_tokens(now, sum(len(c.token_ids) for c in delta.choices),
+                                len(prompt_token_ids))
+                if delta.finished:
+                    finished = True
+                    timer.on_finish(now, state.choices[0].finish_reason, delta.times)
+                yield state
+        except ValueError as e:
+            finished = True  # rejected by the engine: never ran
+            raise bad_request(str(e), param="prompt") from None
+        except EngineDeadError as e:
+            raise APIError(500, f"The engine died: {str(e)[-500:]}", type="internal_error",
+                           code="engine_dead") from None
+        finally:
+            if not finished:  # the client left (or the engine died) mid-request
+                timer.on_finish(time.monotonic(), "abort", None)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.client.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text

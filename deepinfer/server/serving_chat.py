@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions: messages → chat template → one engine request with n choices."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.protocol import (
+    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob,
+    ChatTopLogprob, DeltaMessage, random_id,
+)
+from deepinfer.server.serving_base import (
+    SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, make_usage, sse_event,
+)
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Plain {role, content: str} dicts for the chat template; 400 on anything else.
+    Content given as a list of parts keeps its text parts, joined by newlines (as vLLM)."""
+    out = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}",
+                              param=f"messages[{i}].role")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                      param=f"messages[{i}].content")
+                texts.append(str(part.get("text", "")))
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of parts",
+                              param=f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, str]],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Render with the tokenizer's template, then tokenize without adding special tokens
+    again (the template already holds them)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    def _prepare(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        self.reject_unsupported(request)
+        if request.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if request.response_format and request.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported",
+                              param="response_format")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        messages = normalize_messages(request.messages)
+        try:
+            prompt = apply_chat_template(self.client.tokenizer, messages,
+                                         request.add_generation_prompt)
+        except Exception as e:  # template errors are the caller's messages' fault
+            raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
+                                                                            max_tokens), logprobs)
+        self.check_capacity(1)
+        return prompt, params
+
+    async def create(self, request: ChatCompletionRequest):
+        """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
+        prompt, params = self._prepare(request)
+        response_id = random_id("chatcmpl")
+        stream = self.submit(response_id, prompt, params)
+        if request.stream:
+            return self._stream(request, response_id, stream)
+        state = None
+        async for state in stream:
+            pass
+        choices = [ChatCompletionChoice(
+            index=c.index, message=ChatMessage(role="assistant", content=c.text),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            logprobs=self._logprobs(c.logprobs) if request.logprobs else None,
+            token_ids=c.token_ids if request.return_token_ids else None)
+            for c in state.choices]
+        return ChatCompletionResponse(
+            id=response_id, model=self.model_name, choices=choices, usage=make_usage([state]),
+            prompt_token_ids=prompt if request.return_token_ids else None)
+
+    def _logprobs(self, logprobs) -> ChatChoiceLogprobs:
+        content = []
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            top = [ChatTopLogprob(token=self.token_text(t), logprob=v,
+                                  bytes=list(self.token_text(t).encode()))
+                   for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
+            content.append(ChatTokenLogprob(token=token, logprob=lp.logprob,
+                                            bytes=list(token.encode()), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(self, request: ChatCompletionRequest, response_id: str,
+                      stream: AsyncIterator[EngineRequestState]) -> AsyncIterator[str]:
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
+            return sse_event(ChatCompletionStreamResponse(
+                id=response_id, model=self.model_name, choices=choices, usage=usage,
+                prompt_token_ids=prompt_token_ids))
+
+        cursors = [StreamCursor() for _ in range(request.n)]
+        state = None
+        try:
+            first = True
+            async for state in stream:
+                if first:  # the role comes first, before any content (as OpenAI)
+                    first = False
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=""))
+                        for i in range(request.n)], prompt_token_ids=state.prompt_token_ids
+                        if request.return_token_ids else None)
+                for choice in state.choices:
+                    new = cursors[choice.index].advance(choice)
+                    if new is None:
+                        continue
+                    delta = DeltaMessage(content=choice.text[new.char_start:])
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=choice.index, delta=delta,
+                        logprobs=self._logprobs(choice.logprobs[new.token_start:])
+                        if request.logprobs else None,
+                        finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                        token_ids=choice.token_ids[new.token_start:]
+                        if request.return_token_ids else None)])
+            if request.stream_options and request.stream_options.include_usage:
+                yield chunk([], usage=make_usage([state]))
+        except APIError as e:
+            yield sse_event(e.body())
+        yield SSE_DONE

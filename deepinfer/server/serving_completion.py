@@ -1,0 +1,165 @@
+"""POST /v1/completions: text or token-id prompts (one or many), streamed or not.
+
+Prompt i with n choices becomes engine request `{id}-{i}`; its choice j is reported as
+`index = i * n + j`, as OpenAI and vLLM do.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id,
+)
+from deepinfer.server.serving_base import (
+    SSE_DONE, ChoiceState, EngineRequestState, OpenAIServing, StreamCursor, make_usage,
+    sse_event,
+)
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators, yielding (stream index, item) as items arrive.
+    Exceptions propagate; leaving early cancels the rest (which aborts their requests)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as e:  # forwarded to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    def _prompts(self, request: CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("The prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        tokenized = []
+        for p in prompt:
+            if isinstance(p, str):
+                tokenized.append(self.client.tokenizer.encode(p))
+            else:
+                self.check_token_ids(p)
+                tokenized.append(list(p))
+        return tokenized
+
+    def _prepare(self, request: CompletionRequest):
+        self.check_model(request.model)
+        self.reject_unsupported(request)
+        if request.echo or request.suffix:
+            raise bad_request("echo and suffix are not supported", param="echo")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of is not supported", param="best_of")
+        prompts = self._prompts(request)
+        params = [self.make_sampling_params(
+            request, self.resolve_max_tokens(len(p), request.max_tokens), request.logprobs)
+            for p in prompts]
+        self.check_capacity(len(prompts))
+        return prompts, params
+
+    async def create(self, request: CompletionRequest):
+        """A CompletionResponse, or an async iterator of SSE strings when streaming."""
+        prompts, params = self._prepare(request)
+        response_id = random_id("cmpl")
+        streams = [self.submit(f"{response_id}-{i}", p, sp)
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        if request.stream:
+            return self._stream(request, response_id, streams)
+        states: list[EngineRequestState | None] = [None] * len(streams)
+        async for i, state in merge_streams(streams):
+            states[i] = state
+        choices = [self._choice(request, state, choice, i * request.n + choice.index)
+                   for i, state in enumerate(states) for choice in state.choices]
+        return CompletionResponse(id=response_id, model=self.model_name, choices=choices,
+                                  usage=make_usage(states))
+
+    def _choice(self, request: CompletionRequest, state: EngineRequestState,
+                choice: ChoiceState, index: int) -> CompletionChoice:
+        return CompletionChoice(
+            index=index, text=choice.text, finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            logprobs=self._logprobs(choice.logprobs, 0) if request.logprobs is not None
+            else None,
+            token_ids=choice.token_ids if request.return_token_ids else None,
+            prompt_token_ids=state.prompt_token_ids if request.return_token_ids else None)
+
+    def _logprobs(self, logprobs, text_offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            top = {self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            top.setdefault(token, lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+    async def _stream(self, request: CompletionRequest, response_id: str,
+                      streams: list) -> AsyncIterator[str]:
+        n = request.n
+        cursors = [[StreamCursor() for _ in range(n)] for _ in streams]
+        final_states: list[EngineRequestState | None] = [None] * len(streams)
+        try:
+            async for i, state in merge_streams(streams):
+                final_states[i] = state
+                for choice in state.choices:
+                    chunk = self._chunk(request, response_id, state, choice, i * n + choice.index,
+                                        cursors[i][choice.index])
+                    if chunk is not None:
+                        yield sse_event(chunk)
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse_event(CompletionResponse(id=response_id, model=self.model_name,
+                                                   choices=[], usage=make_usage(final_states)))
+        except APIError as e:
+            yield sse_event(e.body())
+        yield SSE_DONE
+
+    def _chunk(self, request: CompletionRequest, response_id: str, state: EngineRequestState,
+               choice: ChoiceState, index: int, cursor: StreamCursor
+               ) -> CompletionResponse | None:
+        """The next chunk of one choice, or None if it has nothing new; advances `cursor`."""
+        new = cursor.advance(choice)
+        if new is None:
+            return None
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = self._logprobs(choice.logprobs[new.token_start:], new.char_start)
+        return CompletionResponse(id=response_id, model=self.model_name, choices=[
+            CompletionChoice(
+                index=index, text=choice.text[new.char_start:], logprobs=logprobs,
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                token_ids=choice.token_ids[new.token_start:] if request.return_token_ids
+                else None,
+                prompt_token_ids=state.prompt_token_ids
+                if request.return_token_ids and new.is_first else None)])
