@@ -1,0 +1,166 @@
+"""`deepinfer bench serve`: build a workload, replay it against a server, report and save.
+
+Example (W1 as a serving run):
+    deepinfer bench serve --base-url http://127.0.0.1:8000 --workload random \
+        --num-prompts 64 --input-len 256 --output-len 128 --json w1.json --plot w1.png
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+
+from deepinfer.bench.latency_stats import format_summary, summarize
+from deepinfer.bench.serve_client import BenchRun, ClientConfig, run_benchmark
+from deepinfer.bench.traces import ShrinkConfig
+from deepinfer.bench.workloads import WorkloadConfig, build_workload
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="open-loop load test of an OpenAI-compatible server")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000")
+    g.add_argument("--model", default=None, help="default: the server's first model")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--endpoint", default="completions", choices=("completions", "chat"))
+    g.add_argument("--prompt-format", default=None, choices=("tokens", "text"),
+                   help="token-id arrays (default for completions) or detokenized text")
+    g.add_argument("--tokenizer", default=None,
+                   help="for --prompt-format text: HF tokenizer id/path (default: our model's)")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-concurrency", type=int, default=None)
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="random",
+                   help="random | shared-prefix | trace:PATH (.jsonl Mooncake, .csv Azure)")
+    w.add_argument("--num-prompts", type=int, default=100)
+    w.add_argument("--input-len", type=int, default=256)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--range-ratio", type=float, default=0.0)
+    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
+    w.add_argument("--shared-prefix-len", type=int, default=512)
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson req/s (inf: all at once); default: trace timestamps, else inf")
+    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times")
+    w.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths")
+    w.add_argument("--max-input-len", type=int, default=None)
+    w.add_argument("--max-output-len", type=int, default=None)
+    w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
+    w.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("report")
+    o.add_argument("--slo-ttft-ms", type=float, default=None)
+    o.add_argument("--slo-tpot-ms", type=float, default=None)
+    o.add_argument("--json", dest="json_path", default=None)
+    o.add_argument("--plot", dest="plot_path", default=None)
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run)
+
+
+def _configs(args) -> tuple[WorkloadConfig, ClientConfig]:
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(","))
+    except ValueError:
+        raise ValueError("--token-id-range must be LOW,HIGH") from None
+    if args.workload.startswith("trace:") and not os.path.exists(args.workload[6:]):
+        raise ValueError(f"trace file not found: {args.workload[6:]}")
+    shrink = ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len)
+    workload = WorkloadConfig(
+        kind=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, num_groups=args.num_groups,
+        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+        time_scale=args.time_scale, shrink=shrink, token_id_range=(low, high), seed=args.seed)
+    prompt_format = args.prompt_format or ("text" if args.endpoint == "chat" else "tokens")
+    client = ClientConfig(
+        base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,
+        prompt_format=prompt_format, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        max_concurrency=args.max_concurrency, show_progress=args.progress)
+    return workload, client
+
+
+def _detokenizer(args):
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        from deepinfer.runtime.model_source import resolve_model
+        tokenizer = resolve_model(None).load_tokenizer()
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def run(args) -> int:
+    from deepinfer.cli.main import CLIError
+
+    try:
+        workload_cfg, client_cfg = _configs(args)
+        workload = build_workload(workload_cfg)
+    except (ValueError, OSError) as e:
+        raise CLIError(str(e)) from None
+    print(f"workload: {workload.description}", flush=True)
+    detokenize = _detokenizer(args) if client_cfg.prompt_format == "text" else None
+    import httpx
+
+    try:
+        bench_run = asyncio.run(run_benchmark(client_cfg, workload.requests, detokenize))
+    except (ValueError, OSError, httpx.HTTPError) as e:  # unreachable server, unknown model
+        raise CLIError(f"{client_cfg.root_url}: {e}") from None
+    summary = summarize(bench_run.results, bench_run.duration_s, args.slo_ttft_ms,
+                        args.slo_tpot_ms)
+    print(format_summary(summary))
+    hit_rate = bench_run.prefix_cache_hit_rate
+    print(f"Server prefix-cache hit rate (/metrics): "
+          f"{'n/a' if hit_rate is None else f'{100 * hit_rate:.1f}%'}")
+    errors = [r.error for r in bench_run.results if not r.success]
+    if errors:
+        print(f"first error ({len(errors)} failed): {errors[0]}")
+    if args.json_path:
+        _write_json(args, workload_cfg, workload.description, bench_run, summary)
+        print(f"wrote {args.json_path}")
+    if args.plot_path:
+        from deepinfer.bench.bench_plot import plot_run
+        plot_run(bench_run.results, args.plot_path,
+                 f"{bench_run.model} @ {client_cfg.root_url}: {workload.description}")
+        print(f"wrote {args.plot_path}")
+    return 0 if summary.num_completed else 1
+
+
+def _finite(value):
+    """JSON has no NaN/inf: write null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_json(args, workload_cfg: WorkloadConfig, description: str, bench_run: BenchRun,
+                summary) -> None:
+    results = bench_run.results
+    payload = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(), "base_url": args.base_url, "model": bench_run.model,
+        "endpoint": args.endpoint, "workload": description,
+        "workload_config": {**dataclasses.asdict(workload_cfg),
+                            "shrink": dataclasses.asdict(workload_cfg.shrink)},
+        "summary": dataclasses.asdict(summary),
+        "prefix_cache_hit_rate": bench_run.prefix_cache_hit_rate,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "requests": {
+            "prompt_len": [r.prompt_len for r in results],
+            "output_len": [r.output_len for r in results],
+            "start_s": [r.start_s for r in results],
+            "ttft_s": [r.ttft_s for r in results],
+            "tpot_s": [r.tpot_s for r in results],
+            "e2e_s": [r.e2e_s for r in results],
+            "itl_s": [r.itl_s for r in results],
+            "cached_tokens": [r.cached_tokens for r in results],
+            "errors": [r.error for r in results],
+        },
+    }
+    with open(args.json_path, "w") as f:
+        json.dump(_finite(payload), f, indent=1)
