@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from deepinfer.models.model_config import ModelConfig
+from deepinfer.runtime.gguf_file import GGUFFile
 from deepinfer.models.registry import architecture_from_gguf
 
 # Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute).
@@ -98,19 +100,18 @@ class GGUFCheckpoint:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF model file not found: {path}")
         try:
-            self.reader = GGUFReader(path, "r")
-        except Exception as e:  # gguf raises ValueError/struct errors on a bad header
+            self.file = GGUFFile(path)
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read GGUF file {path}: {e}") from e
         self.path = path
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.gguf_architecture = str(self._field("general.architecture"))
+        self.tensors = {t.name: t for t in self.file.tensors}
+        self.gguf_architecture = self._field("general.architecture")
         self.config = self._build_config()
 
     # ---- metadata ---------------------------------------------------------------------
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.file.metadata.get(key, default)
 
     def _arch_field(self, key: str, default: Any = None) -> Any:
         return self._field(f"{self.gguf_architecture}.{key}", default)
@@ -123,7 +124,7 @@ class GGUFCheckpoint:
         num_heads = int(self._arch_field("attention.head_count"))
         vocab = self._arch_field("vocab_size")
         if vocab is None:  # older files: vocab size is the token table or the embedding rows
-            vocab = self.tensors["token_embd.weight"].shape[-1]
+            vocab = self.tensors["token_embd.weight"].shape[0]
         eos_ids = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return ModelConfig(
             architecture=arch,
@@ -163,7 +164,7 @@ class GGUFCheckpoint:
         """(HF name, tensor) for every parameter tensor, q/k rows restored to HF layout."""
         cfg = self.config
         permuted = cfg.architecture in _PERMUTED_QK_ARCHS and self.gguf_architecture in _PERMUTED_QK_ARCHS
-        for t in self.reader.tensors:
+        for t in self.file.tensors:
             if t.name == _ROPE_FREQS:
                 continue
             name = gguf_to_hf_name(t.name)
@@ -175,11 +176,18 @@ class GGUFCheckpoint:
             yield name, tensor
 
     def load_tokenizer(self):
-        """HF fast tokenizer (with chat template) converted from the GGUF vocabulary."""
-        from transformers import AutoTokenizer
+        """HF fast tokenizer (with chat template) converted from the GGUF vocabulary.
+
+        Builds `PreTrainedTokenizerFast` from the file directly: `AutoTokenizer` would first
+        load the whole model config through `gguf.GGUFReader` (seconds) just to pick the class,
+        and GGUF vocabularies are always converted to the same fast backend anyway."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         directory, filename = os.path.split(os.path.abspath(self.path))
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        try:
+            tokenizer = PreTrainedTokenizerFast(gguf_file=filename, name_or_path=directory)
+        except Exception:  # other transformers versions: take the documented slow path
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
         if tokenizer.chat_template is None:
             template = self._field("tokenizer.chat_template")
             if template is not None:

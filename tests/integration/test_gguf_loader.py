@@ -147,15 +147,38 @@ def test_k_quant_gguf_model_matches_reference(tmp_path):
         assert (our_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item() <= 1e-4
 
 
+def test_truncated_gguf_is_a_clear_error(tmp_path):
+    hf_model = tiny_hf_model("llama_tied", seed=13)
+    path = tmp_path / "full.gguf"
+    write_gguf(path, "llama", hf_model.config, _hf_weights(hf_model), QT.F32)
+    data = path.read_bytes()
+    for cut in (100, len(data) - 1000):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="cannot read GGUF"):
+            resolve_model(str(bad))
+
+
 # ---- the embedded default model -------------------------------------------------------------
+# `hf_reference` (tests/conftest.py) is transformers' own GGUF load of the same file; only its
+# `.model` and `.tokenizer` are used here.
+
+QUESTION = "What is the capital of France?"
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids) if isinstance(ids, list) else list(ids["input_ids"])
+
 
 @pytest.mark.slow
 def test_default_model_matches_transformers_gguf(default_model_source, default_model_fp32, hf_reference):
     source = default_model_source
     assert source.name == "SmolLM2-135M-Instruct" and source.path.endswith(".gguf")
     assert source.config.architecture == "llama" and source.config.tie_word_embeddings
-    chat = hf_reference.chat_ids("What is the capital of France?")
-    plain = hf_reference.encode("The quick brown fox jumps over the lazy")
+    chat = _chat_ids(hf_reference.tokenizer, QUESTION)
+    plain = hf_reference.tokenizer("The quick brown fox jumps over the lazy").input_ids
     for ids in (chat, plain):
         ours = our_logits(default_model_fp32, ids)
         ref = hf_logits(hf_reference.model, ids)
@@ -167,9 +190,31 @@ def test_default_model_matches_transformers_gguf(default_model_source, default_m
 def test_default_tokenizer_has_chat_template(default_model_source, hf_reference):
     tokenizer = default_model_source.load_tokenizer()
     assert tokenizer.chat_template
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, tokenize=True)
-    ids = ids if isinstance(ids, list) else list(ids["input_ids"])
-    assert ids == hf_reference.chat_ids("What is the capital of France?")
+    ids = _chat_ids(tokenizer, QUESTION)
+    assert ids == _chat_ids(hf_reference.tokenizer, QUESTION)
+    for text in ("Hello world!", " leading space, ünïcödé 🙂 1234", "<|im_start|>user\nhi<|im_end|>"):
+        assert tokenizer(text).input_ids == hf_reference.tokenizer(text).input_ids
     assert tokenizer.eos_token_id in default_model_source.config.eos_token_ids
     assert tokenizer.decode(ids).rstrip().endswith("<|im_start|>assistant")
+
+
+@pytest.mark.slow
+def test_gguf_file_parses_like_gguf_reader(default_model_source):
+    """Our lean header parser agrees with the gguf package's reader on the real file."""
+    from gguf import GGUFReader
+
+    from deepinfer.runtime.gguf_file import GGUFArrayInfo, GGUFFile
+
+    reader, ours = GGUFReader(default_model_source.path), GGUFFile(default_model_source.path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = ours.metadata[key]
+        if isinstance(value, GGUFArrayInfo):
+            assert value.length == len(field.data), key
+        else:
+            assert value == field.contents(), key
+    assert [t.name for t in reader.tensors] == [t.name for t in ours.tensors]
+    for theirs, mine in zip(reader.tensors, ours.tensors):
+        assert tuple(reversed(theirs.shape.tolist())) == mine.shape and theirs.tensor_type == mine.tensor_type
+        assert np.array_equal(theirs.data, mine.data), mine.name
