@@ -1,12 +1,83 @@
-"""`deepinfer profile` (placeholder until its issue lands)."""
+"""`deepinfer profile --out profile.json`: measure this device's step costs for a model and fit
+the compute-aware scheduler's cost model; prints the held-out prediction error."""
 from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
 
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="not implemented yet")
-    p.set_defaults(func=_run)
+    p = sub.add_parser("profile", help="profile step costs and fit the scheduler's cost model")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="CPU intra-op threads (default: all cores); profile with the count "
+                        "you serve with")
+    p.add_argument("--grid", choices=("full", "quick"), default="full",
+                   help="full: ~minutes, more shapes; quick: the start-up grid")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median)")
+    p.add_argument("--kv-cache-memory", default="2GiB",
+                   help="KV memory the profiler's batches are spread over")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.set_defaults(func=run)
 
 
-def _run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from deepinfer.cli.main import CLIError
-    raise CLIError("'profile' is not implemented yet")
+
+    if args.repeats is not None and args.repeats < 1:
+        raise CLIError("--repeats must be at least 1")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise CLIError(f"output folder does not exist: {out_dir}")
+    import torch
+
+    from deepinfer.core.model_shape import ModelShape
+    from deepinfer.engine.engine_config import EngineConfig
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.runtime.profiler import FULL_GRID, QUICK_GRID, grid_with, profile_cost_model
+
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory,
+                              block_size=args.block_size, scheduler="token-budget")
+        engine = LLMEngine(config)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise CLIError(f"cannot load model: {e}") from None
+    grid = FULL_GRID if args.grid == "full" else QUICK_GRID
+    if args.repeats is not None:
+        grid = grid_with(grid, num_repeats=args.repeats)
+    dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
+    shape = ModelShape.from_model_config(engine.model_config, dtype_bytes)
+    start = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        sys.stderr.write(f"\rprofiling {done}/{total} steps ({time.monotonic() - start:.0f} s)")
+        sys.stderr.flush()
+
+    model = profile_cost_model(engine.runner, shape, engine.model_config.vocab_size, grid,
+                               metadata={"model": engine.model_name, "dtype": args.dtype},
+                               progress=progress)
+    sys.stderr.write("\n")
+    with open(args.out, "w") as f:
+        json.dump(model.to_dict(), f, indent=1)
+    err = model.holdout_error
+    print(f"model {engine.model_name} ({args.dtype}) on {model.metadata['device']}, "
+          f"{model.metadata['threads']} threads, grid {grid.name}: "
+          f"{model.metadata['num_train_steps']} fit + {err.num_samples} held-out steps "
+          f"in {time.monotonic() - start:.0f} s")
+    for name, value in model.coefficients.items():
+        print(f"  {name:20s} {value:.4g} s/unit")
+    meta = model.metadata
+    print(f"fit-set abs error:  median {meta['fit_median_abs_pct_error']:.1f}%, "
+          f"p90 {meta['fit_p90_abs_pct_error']:.1f}%")
+    print(f"held-out abs error: median {err.median_abs_pct_error:.1f}%, "
+          f"p90 {err.p90_abs_pct_error:.1f}%")
+    print(f"wrote {args.out}")
+    return 0

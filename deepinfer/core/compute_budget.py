@@ -4,6 +4,8 @@ The scheduler fills a step with running decodes first, then prefill chunks, aski
 `fit_chunk(context_len, num_tokens)` for each. Here:
 
 * a decode (one new token) always fits — a step must serve its running decodes — and is charged;
+  the scheduler asks for decodes before prefill chunks (a one-token request asked for after a
+  prefill chunk is budgeted like any chunk);
 * a prefill chunk gets the largest x whose added predicted time keeps the step within
   `step_time_budget_s` (the attention term makes that a quadratic in x; see
   `StepCostEstimate.max_new_tokens_within`), so x shrinks as the request's context P grows;
@@ -36,8 +38,8 @@ class ComputeAwareBudget:
     def fit_chunk(self, context_len: int, num_tokens: int) -> int:
         if num_tokens <= 0:
             return 0
-        if num_tokens == 1:  # a decode (or a prompt's last token): always served
-            return 1
+        if num_tokens == 1 and self.num_prefill_chunks == 0:
+            return 1  # a decode, asked for before any prefill chunk: always served
         cap = num_tokens
         if self.remaining_tokens is not None:
             cap = min(cap, max(0, self.remaining_tokens))

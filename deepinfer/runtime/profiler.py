@@ -1,0 +1,213 @@
+"""Measure real step times over a grid of batch shapes and fit the cost model to them.
+
+`StepProfiler` runs synthetic `SchedulerOutput`s (random token ids, distinct KV blocks filled
+with random values) through the real `ModelRunner.execute` and keeps the median of a few
+repeats per batch, the repeats taken in rounds over the grid. `profile_cost_model` fits `CostModel` on a seeded share of the grid and
+reports its error on the held-out rest; the coefficients written are those that were evaluated.
+
+Two grids: `QUICK_GRID` (seconds; start-up profiling, cached per model shape, dtype, device and
+threads under ~/.cache/deepinfer/profiles) and `FULL_GRID` (`deepinfer profile`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import platform
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from deepinfer.core.cost_model import ChunkShape, CostModel, StepSample
+from deepinfer.core.model_shape import ModelShape
+from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GRID_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Batch shapes to time. Every combination of each family is one measured step:
+    prefill: one chunk of x tokens after P; decode: B requests of one token at context C;
+    mixed: B decodes at C plus one chunk of x after P; ragged: random decode batches with
+    mixed contexts plus 0-2 random chunks (the realistic case a scheduler produces)."""
+
+    name: str
+    prefill_tokens: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    decode_batch_sizes: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed_decodes: tuple[int, ...]
+    mixed_chunks: tuple[int, ...]
+    num_ragged: int
+    num_repeats: int
+    num_warmup: int  # untimed runs of each batch before its timed repeats
+    holdout_fraction: float = 0.3
+    seed: int = 0
+
+    def batches(self, max_tokens_per_request: int) -> list[tuple[ChunkShape, ...]]:
+        """All batches of the grid whose requests fit `max_tokens_per_request` (P + x)."""
+        rng = random.Random(self.seed)
+        out: list[tuple[ChunkShape, ...]] = []
+        for x in self.prefill_tokens:
+            out += [(ChunkShape(p, x),) for p in self.prefill_contexts]
+        for b in self.decode_batch_sizes:
+            out += [tuple(ChunkShape(c, 1) for _ in range(b)) for c in self.decode_contexts]
+        for b in self.mixed_decodes:
+            for x in self.mixed_chunks:
+                c, p = rng.choice(self.decode_contexts), rng.choice(self.prefill_contexts)
+                out.append(tuple(ChunkShape(c, 1) for _ in range(b)) + (ChunkShape(p, x),))
+        for _ in range(self.num_ragged):
+            out.append(self._ragged_batch(rng))
+        return [b for b in out if all(c.context_len + c.num_new_tokens <= max_tokens_per_request
+                                      for c in b)]
+
+    def _ragged_batch(self, rng: random.Random) -> tuple[ChunkShape, ...]:
+        max_c, max_b = max(self.decode_contexts), max(self.decode_batch_sizes)
+        decodes = [ChunkShape(rng.randint(1, max_c), 1) for _ in range(rng.randint(0, max_b))]
+        chunks = [ChunkShape(rng.choice(self.prefill_contexts) + 16 * rng.randint(0, 8),
+                             rng.randint(2, max(self.prefill_tokens)))
+                  for _ in range(rng.randint(0 if decodes else 1, 2))]
+        return tuple(decodes + chunks)
+
+
+QUICK_GRID = ProfileGrid(
+    name="quick", prefill_tokens=(32, 128), prefill_contexts=(0, 768, 2048),
+    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 768, 2048),
+    mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=6, num_repeats=3, num_warmup=0)
+
+FULL_GRID = ProfileGrid(
+    name="full", prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 512, 1536, 3072),
+    decode_batch_sizes=(1, 4, 16, 32), decode_contexts=(32, 512, 1536, 3072),
+    mixed_decodes=(4, 16, 32), mixed_chunks=(32, 128, 384), num_ragged=24, num_repeats=3,
+    num_warmup=1)
+
+
+class StepProfiler:
+    """Times synthetic steps on a real runner. The runner's KV cache must be otherwise idle
+    (start-up, or a dedicated runner): the profiler writes into its blocks."""
+
+    def __init__(self, runner, vocab_size: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.block_size: int = runner.block_size
+        self.num_blocks: int = runner.cache.num_blocks
+        self._rng = random.Random(seed)
+        self._next_block = 0
+        self._filled_blocks = 0
+        self._params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def measure(self, chunks: tuple[ChunkShape, ...], num_repeats: int, num_warmup: int = 1
+                ) -> float:
+        """Median seconds of `num_repeats` runs of one batch, after `num_warmup` untimed ones."""
+        return self.run([chunks], num_repeats, num_warmup, warm_up_runner=False)[0].step_time_s
+
+    def run(self, batches: list[tuple[ChunkShape, ...]], num_repeats: int, num_warmup: int,
+            progress: Callable[[int, int], None] | None = None, *,
+            warm_up_runner: bool = True) -> list[StepSample]:
+        """Median time of each batch. Repeats run in rounds over the whole grid, so a burst of
+        load from other processes spreads over many batches instead of skewing one."""
+        if num_repeats < 1 or num_warmup < 0:
+            raise ValueError("need num_repeats >= 1 and num_warmup >= 0")
+        if warm_up_runner:  # first steps pay for allocator growth and kernel selection
+            self.run([(ChunkShape(64, 1), ChunkShape(0, 64))], 1, 1, warm_up_runner=False)
+        outputs = [self._make_output(chunks, tag=str(i)) for i, chunks in enumerate(batches)]
+        times: list[list[float]] = [[] for _ in batches]
+        num_rounds = num_warmup + num_repeats
+        for r in range(num_rounds):
+            for i, output in enumerate(outputs):
+                step_time_s = self.runner.execute(output).step_time_s
+                if r >= num_warmup:
+                    times[i].append(step_time_s)
+                if progress is not None:
+                    progress(r * len(outputs) + i + 1, num_rounds * len(outputs))
+        # Let the runner drop its per-request sampler state.
+        self.runner.execute(SchedulerOutput([], 0, finished_request_ids=[
+            s.request_id for o in outputs for s in o.scheduled]))
+        return [StepSample(chunks, statistics.median(t)) for chunks, t in zip(batches, times)]
+
+    def _make_output(self, chunks: tuple[ChunkShape, ...], tag: str) -> SchedulerOutput:
+        scheduled = []
+        for i, c in enumerate(chunks):
+            num_blocks = -(-(c.context_len + c.num_new_tokens) // self.block_size)
+            scheduled.append(ScheduledRequest(
+                request_id=f"profile-{tag}-{i}",
+                token_ids=[self._rng.randrange(self.vocab_size) for _ in range(c.num_new_tokens)],
+                num_computed_tokens=c.context_len, block_ids=list(self._take_blocks(num_blocks)),
+                sample=True, sampling_params=self._params, num_output_tokens=0))
+        return SchedulerOutput(scheduled, sum(c.num_new_tokens for c in chunks))
+
+    def _take_blocks(self, n: int) -> Iterator[int]:
+        """Distinct blocks round-robin over the cache (cache-cold like a real batch), filled
+        with random values the first time so no read hits untouched zero pages."""
+        if n > self.num_blocks:
+            raise ValueError(f"a request needs {n} blocks; the cache has {self.num_blocks}")
+        for _ in range(n):
+            block = self._next_block
+            self._next_block = (self._next_block + 1) % self.num_blocks
+            if self._filled_blocks <= block:
+                self._fill(block, min(self.num_blocks, block + 256))
+            yield block
+
+    def _fill(self, lo: int, hi: int) -> None:
+        kv = self.runner.cache.kv  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+        with torch.no_grad():
+            kv[:, :, :, lo:hi].normal_(0.0, 0.5)
+        self._filled_blocks = hi
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.processor() or platform.machine()}"
+
+
+def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: ProfileGrid, *,
+                       metadata: dict | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> CostModel:
+    """Time `grid` on `runner`, fit on a seeded (1 - holdout_fraction) share, evaluate on the
+    rest. The returned model carries `holdout_error` and metadata (device, threads, grid...)."""
+    profiler = StepProfiler(runner, vocab_size, seed=grid.seed)
+    batches = grid.batches(profiler.max_tokens_per_request)
+    samples = profiler.run(batches, grid.num_repeats, grid.num_warmup, progress)
+    order = list(range(len(samples)))
+    random.Random(grid.seed + 1).shuffle(order)
+    num_holdout = max(1, int(round(len(samples) * grid.holdout_fraction)))
+    holdout = [samples[i] for i in order[:num_holdout]]
+    train = [samples[i] for i in order[num_holdout:]]
+    meta = {
+        "device": device_name(runner.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "grid": grid.name, "grid_version": GRID_VERSION,
+        "num_train_steps": len(train), "num_holdout_steps": len(holdout),
+        **(metadata or {}),
+    }
+    model = CostModel.fit(shape, train, metadata=meta)
+    model.holdout_error = model.evaluate(holdout)
+    fit_error = model.evaluate(train)
+    model.metadata["fit_median_abs_pct_error"] = fit_error.median_abs_pct_error
+    model.metadata["fit_p90_abs_pct_error"] = fit_error.p90_abs_pct_error
+    model.metadata["samples"] = [_sample_dict(s) for s in samples]
+    return model
+
+
+def _sample_dict(sample: StepSample) -> dict:
+    return {"chunks": [[c.context_len, c.num_new_tokens] for c in sample.chunks],
+            "step_time_s": sample.step_time_s}
+
+
+def grid_with(grid: ProfileGrid, **changes) -> ProfileGrid:
+    """A copy of `grid` with some fields changed (e.g. fewer repeats for a smoke run)."""
+    return dataclasses.replace(grid, **changes)
