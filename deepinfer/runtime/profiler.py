@@ -160,9 +160,10 @@ class StepProfiler:
             yield block
 
     def _fill(self, lo: int, hi: int) -> None:
-        kv = self.runner.cache.kv  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+        cache = self.runner.cache
+        block_ids = list(range(lo, hi))
         with torch.no_grad():
-            kv[:, :, :, lo:hi].normal_(0.0, 0.5)
+            cache.write_blocks(block_ids, torch.randn_like(cache.read_blocks(block_ids)) * 0.5)
         self._filled_blocks = hi
 
 

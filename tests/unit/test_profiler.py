@@ -28,7 +28,15 @@ TRUTH = CostModel(SHAPE, {"linear_flops": 1e-9, "attention_flops": 3e-9, "bytes_
 class FakeCache:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(1, 2, 1, num_blocks, 16, 4)
+        self.kv = torch.zeros(1, 2, num_blocks, 16, 1, 4)
+        self.written: set[int] = set()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv[:, :, block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.kv[:, :, block_ids] = data
+        self.written.update(block_ids)
 
 
 class FakeRunner:
@@ -50,6 +58,7 @@ class FakeRunner:
         for s in output.scheduled:
             assert len(s.block_ids) * self.block_size >= s.context_len
             assert len(set(s.block_ids)) == len(s.block_ids)
+            assert set(s.block_ids) <= self.cache.written  # no read of never-written memory
             self.seen_ids.add(s.request_id)
         chunks = [ChunkShape(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
         t = TRUTH.predict(chunks) * (1 + self.noise * self.rng.uniform(-1, 1))
