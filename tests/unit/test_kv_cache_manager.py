@@ -159,7 +159,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 TestKVCacheStateMachine = KVCacheMachine.TestCase
-TestKVCacheStateMachine.settings = settings(max_examples=60, stateful_step_count=25,
+TestKVCacheStateMachine.settings = settings(max_examples=45, stateful_step_count=25,
                                             deadline=None)
 
 
