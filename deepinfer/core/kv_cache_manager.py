@@ -88,7 +88,9 @@ class KVCacheManager:
         return max(0, total - have) + reuse_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       hit: PrefixHit | None = None) -> bool:
+                       hit: PrefixHit | None = None, cache_blocks: bool = True) -> bool:
+        """`cache_blocks=False` registers no block in the prefix cache (KV that arrives later
+        over a transfer must not be found by another request before it is written)."""
         if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return False
         table = self.req_blocks.setdefault(request.request_id, [])
@@ -104,8 +106,13 @@ class KVCacheManager:
         total = -(-(computed + num_new_tokens) // self.block_size)
         if total > len(table):
             table.extend(self.pool.allocate(total - len(table)))
-        self._cache_full_blocks(request, computed + num_new_tokens)
+        if cache_blocks:
+            self._cache_full_blocks(request, computed + num_new_tokens)
         return True
+
+    def cache_computed_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to `num_tokens` once their KV is valid."""
+        self._cache_full_blocks(request, num_tokens)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:

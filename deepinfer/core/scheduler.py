@@ -48,6 +48,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # to tell the runner on the next step
         self._finished_outside_update: list[Request] = []  # reported by the next update()
+        # Disaggregated decode: requests whose blocks are allocated while their prompt KV
+        # arrives over a transfer; not schedulable until `admit_transferred`.
+        self.transferring: dict[str, Request] = {}
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -65,6 +68,9 @@ class Scheduler:
         """Finish (abort, or stop from a stop string) requests; unknown ids are ignored."""
         done = []
         for request_id in request_ids:
+            if request_id in self.transferring:
+                self.cancel_transfer(request_id)
+                continue
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
@@ -78,6 +84,42 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- disaggregated decode: admit a request prefilled elsewhere -------------------------
+    def allocate_for_transfer(self, request: Request) -> list[int] | None:
+        """Allocate blocks for a prompt whose KV will be written by a transfer; None when the
+        cache has no room now (nothing changes). `request.output_token_ids` holds the token
+        sampled by the prefill worker. The blocks join the prefix cache only on admission."""
+        if request.request_id in self.requests or request.request_id in self.transferring:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request has {request.num_tokens} tokens; the limit is "
+                             f"{self.config.max_model_len - 1}")
+        request.max_model_len = self.config.max_model_len
+        request.num_computed_tokens = 0
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False):
+            return None
+        self.transferring[request.request_id] = request
+        return self.kv.block_ids(request.request_id)
+
+    def admit_transferred(self, request_id: str) -> Request:
+        """The prompt KV has been written: the request becomes a running decode (its next
+        step computes the first sampled token's KV and samples the second)."""
+        request = self.transferring.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self.requests[request_id] = request
+        self.running.append(request)
+        return request
+
+    def cancel_transfer(self, request_id: str) -> None:
+        """Free the blocks of a transfer that failed or was aborted; unknown ids are ignored."""
+        request = self.transferring.pop(request_id, None)
+        if request is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.kv.free(request)
 
     @property
     def num_running(self) -> int:
@@ -235,5 +277,7 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.request_id not in self.kv.req_blocks
+        for request_id in self.transferring:
+            assert request_id in self.kv.req_blocks and request_id not in self.requests
         assert set(self.requests) == {r.request_id for r in self.running} | \
             {r.request_id for r in self.waiting}

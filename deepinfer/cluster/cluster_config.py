@@ -1,0 +1,51 @@
+"""`ClusterConfig`: shape and timeouts of a disaggregated deployment. Plain data, no IO."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """P prefill + D decode worker processes behind one front.
+
+    `kv_store_url`: shared prefix store (`kvstore.open_store` URL; "none" disables it).
+    `heartbeat_timeout_s`: a worker silent this long is removed from routing (it reports
+    every `report_interval_s`). `stall_timeout_s`: a request with no progress this long is
+    failed (last resort: nothing waits forever). `debug_transfer_delay_s`: fault injection,
+    delays every KV pull (tests)."""
+
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    kv_store_url: str | None = "fs"
+    prefill_router: str = "least-compute"
+    decode_router: str = "balanced"
+    report_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 3.0
+    transfer_timeout_s: float = 10.0
+    kv_stage_ttl_s: float = 30.0
+    stall_timeout_s: float = 120.0
+    ready_timeout_s: float = 600.0
+    host: str = "127.0.0.1"
+    log_level: str = "WARNING"
+    debug_transfer_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+            raise ValueError("need at least one prefill and one decode worker")
+        if self.prefill_router not in PREFILL_POLICIES:
+            raise ValueError(f"unknown prefill router {self.prefill_router!r}; "
+                             f"choose one of {sorted(PREFILL_POLICIES)}")
+        if self.decode_router not in DECODE_POLICIES:
+            raise ValueError(f"unknown decode router {self.decode_router!r}; "
+                             f"choose one of {sorted(DECODE_POLICIES)}")
+        if self.heartbeat_timeout_s <= self.report_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed report_interval_s")
+        for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def store_url(self) -> str | None:
+        return None if self.kv_store_url in (None, "none") else self.kv_store_url

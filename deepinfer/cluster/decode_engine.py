@@ -1,0 +1,65 @@
+"""`DisaggDecodeEngine`: an `LLMEngine` that also admits requests prefilled elsewhere.
+
+    add_transferred_request  -> block ids to receive the prompt KV into (or None: no room yet)
+    (the caller writes the KV into those blocks)
+    admit_transferred        -> the request is a running decode from its next step
+    abort_request            -> also frees the blocks of a transfer in progress
+
+The request carries the prefill worker's first token, so its detokenizer, stop checks and
+`max_tokens` continue exactly where the prefill worker stopped. n > 1 is not supported
+(each choice would be a separate prefill).
+"""
+from __future__ import annotations
+
+from deepinfer.core.request import Request
+from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.engine.outputs import CompletionOutput, RequestMetrics
+from deepinfer.engine.request_state import RequestState, SequenceState
+from deepinfer.sampling_params import SamplingParams
+
+
+class DisaggDecodeEngine(LLMEngine):
+    def add_transferred_request(self, request_id: str, prompt_token_ids: list[int],
+                                params: SamplingParams, arrival_time: float,
+                                first_token_id: int,
+                                first_logprob: TokenLogprobs | None) -> list[int] | None:
+        """Allocate blocks for the prompt KV of a prefilled request; None when the cache has
+        no room now (nothing is recorded; retry later). Raises ValueError for bad input."""
+        if params.n != 1:
+            raise ValueError("disaggregated serving supports n=1 only")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time,
+                          self.eos_token_ids)
+        request.append_output_token(first_token_id)
+        block_ids = self.scheduler.allocate_for_transfer(request)
+        if block_ids is None:
+            return None
+        metrics = RequestMetrics(arrival_time)
+        state = RequestState(request_id, list(prompt_token_ids), params, metrics)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                       params.skip_special_tokens, params.stop,
+                                       params.include_stop_str_in_output)
+        detok.add_tokens([first_token_id])
+        output = CompletionOutput(0, detok.text, [first_token_id],
+                                  logprobs=[] if params.logprobs is not None else None,
+                                  cumulative_logprob=0.0 if params.logprobs is not None else None)
+        if first_logprob is not None and output.logprobs is not None:
+            output.logprobs.append(first_logprob)
+            output.cumulative_logprob += first_logprob.logprob
+        state.sequences[request_id] = SequenceState(0, detok, output)
+        state.num_cached_tokens = len(prompt_token_ids)
+        self._states[request_id] = state
+        self._child_parent[request_id] = request_id
+        return block_ids
+
+    def admit_transferred(self, request_id: str) -> None:
+        self.scheduler.admit_transferred(request_id)
+
+    def has_schedulable_requests(self) -> bool:
+        """Work for `step()` (transfers in progress are not)."""
+        return self.scheduler.has_unfinished_requests()

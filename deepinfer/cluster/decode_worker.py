@@ -1,0 +1,135 @@
+"""`DecodeWorkerLoop`: receives prefilled requests' KV and decodes them.
+
+Per `DecodeRequest`: allocate the prompt's blocks (queued FIFO while the cache is full, with a
+deadline), then pull the KV from the prefill worker over the `KVTransport` (with a timeout);
+when it arrives, write it into the blocks and admit the request as a running decode. A failed
+or timed-out transfer, or an abort at any point, frees the blocks and reports an error.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.cluster.kv_transport import KVTransport
+from deepinfer.cluster.messages import AbortRequests, DecodeRequest
+from deepinfer.cluster.worker_loop import WorkerLoop
+from deepinfer.server.engine_proc import _SentChoice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Incoming:
+    message: DecodeRequest
+    deadline: float  # allocation + transfer must finish by then
+    fetch_after: float = 0.0  # debug delay before the pull starts
+    block_ids: list[int] | None = None
+    fetching: bool = False
+
+
+class DecodeWorkerLoop(WorkerLoop):
+    role = "decode"
+
+    def __init__(self, spec, engine, input_socket, output_socket,
+                 transport: KVTransport) -> None:
+        super().__init__(spec, engine, input_socket, output_socket)
+        self.transport = transport
+        self._waiting_alloc: deque[str] = deque()
+        self._incoming: dict[str, _Incoming] = {}
+
+    def handle(self, message) -> None:
+        if isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                if self._incoming.pop(request_id, None) is not None:
+                    self.transport.cancel_fetch(request_id)
+            return
+        if not isinstance(message, DecodeRequest):
+            logger.warning("decode worker ignores %s", type(message).__name__)
+            return
+        now = time.monotonic()
+        self._incoming[message.request_id] = _Incoming(
+            message, now + self.spec.transfer_timeout_s,
+            fetch_after=now + self.spec.debug_transfer_delay_s)
+        self._waiting_alloc.append(message.request_id)
+
+    def has_background_work(self) -> bool:
+        return bool(self._incoming)
+
+    def has_step_work(self) -> bool:
+        return self.engine.has_schedulable_requests()
+
+    def before_step(self) -> None:
+        self._allocate_waiting()
+        self._start_fetches()
+        self._finish_transfers()
+
+    def _allocate_waiting(self) -> None:
+        now = time.monotonic()
+        while self._waiting_alloc:
+            request_id = self._waiting_alloc[0]
+            entry = self._incoming.get(request_id)
+            if entry is None:  # aborted while waiting
+                self._waiting_alloc.popleft()
+                continue
+            if now > entry.deadline:
+                self._waiting_alloc.popleft()
+                self._fail(request_id, "no KV cache room on the decode worker before the "
+                                       "transfer timeout")
+                continue
+            m = entry.message
+            try:
+                block_ids = self.engine.add_transferred_request(
+                    m.request_id, m.prompt_token_ids, m.sampling_params, m.arrival_time,
+                    m.first_token_id, m.first_logprob)
+            except ValueError as exc:
+                self._waiting_alloc.popleft()
+                self._fail(request_id, str(exc), free=False)
+                continue
+            if block_ids is None:
+                return  # FIFO: wait for blocks to free up
+            self._waiting_alloc.popleft()
+            entry.block_ids = block_ids
+            self._dirty = True
+
+    def _start_fetches(self) -> None:
+        now = time.monotonic()
+        for request_id, entry in self._incoming.items():
+            if entry.block_ids is not None and not entry.fetching and now >= entry.fetch_after:
+                entry.fetching = True
+                self.transport.fetch(request_id, entry.message.kv_source_addr,
+                                     max(0.05, entry.deadline - now))
+
+    def _finish_transfers(self) -> None:
+        for result in self.transport.poll():
+            entry = self._incoming.pop(result.request_id, None)
+            if entry is None:
+                continue  # aborted meanwhile (its blocks are already free)
+            if result.error is not None:
+                self.counters.num_transfer_failures += 1
+                self._fail(result.request_id, result.error)
+                continue
+            self.engine.cache.write_blocks(entry.block_ids, result.kv)
+            self.engine.admit_transferred(result.request_id)
+            m = entry.message
+            self.tracker.add_request(m.request_id, m.sampling_params)
+            # The first token was streamed by the prefill worker: continue after it.
+            self.tracker._sent[m.request_id] = {0: _SentChoice(
+                num_tokens=1, text_len=m.num_text_chars_sent,
+                num_logprobs=1 if m.first_logprob is not None else 0)}
+            c = self.counters
+            c.transfer_bytes += result.num_bytes
+            c.num_transfers += 1
+            c.transfer_seconds_total += result.seconds
+            self._dirty = True
+
+    def _fail(self, request_id: str, message: str, free: bool = True) -> None:
+        self._incoming.pop(request_id, None)
+        if free:
+            self.engine.abort_request([request_id])
+        self.emit_error(request_id, message)
+
+    def extra_load(self) -> tuple[int, int]:
+        kv_tokens = sum(len(e.message.prompt_token_ids) for e in self._incoming.values())
+        return len(self._incoming), kv_tokens

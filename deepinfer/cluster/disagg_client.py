@@ -1,0 +1,380 @@
+"""`DisaggClient`: the front door's client of a disaggregated cluster (drop-in for
+`server.engine_client.EngineClient`: same `generate` / `abort` / `start` / `shutdown`).
+
+    generate ─▶ prefill router ─PrefillRequest─▶ prefill worker ─first token─▶ client
+                                                      │ PrefillDone
+               decode router ◀────────────────────────┘
+                    └─DecodeRequest─▶ decode worker ─pulls KV─▶ ... ─tokens─▶ client
+
+Health: every worker report is a heartbeat. A worker silent for `heartbeat_timeout_s`, whose
+process exited, or that sent `WorkerFailed`, is removed from routing; its requests are
+retried once on another prefill worker when nothing was streamed yet, else failed with a
+clear error. A request that makes no progress for `stall_timeout_s` is failed too.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from deepinfer.cluster.cluster_config import ClusterConfig
+from deepinfer.cluster.messages import (AbortRequests, DecodeRequest, PrefillDone,
+                                        PrefillRequest, ShutdownWorker, WorkerFailed,
+                                        WorkerReady, WorkerReport, make_encoder,
+                                        worker_message_decoder)
+from deepinfer.cluster.worker_handle import WorkerHandle
+from deepinfer.cluster.worker_proc import run_worker_proc
+from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.core.prefix_hash import hash_request_blocks
+from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_router,
+                               build_prefill_router)
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.engine_client import EngineDeadError, _RequestFailed
+from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_PERIOD_S = 0.1
+
+
+@dataclass
+class _Track:
+    """The front's record of one request in flight."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    queue: asyncio.Queue
+    phase: str = "prefill"  # -> "decode"
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    num_tokens_streamed: int = 0
+    num_retries: int = 0
+    last_progress: float = 0.0
+
+
+class DisaggClient:
+    def __init__(self, engine_config, cluster: ClusterConfig) -> None:
+        self.engine_config = engine_config
+        self.cluster = cluster
+        self.model_name = ""
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.tokenizer = None
+        self.dead_message: str | None = None
+        self.prefill_router = build_prefill_router(cluster.prefill_router)
+        self.decode_router = build_decode_router(cluster.decode_router)
+        self.workers: dict[str, WorkerHandle] = {}
+        self._requests: dict[str, _Track] = {}
+        self._encoder = make_encoder()
+        self._decoder = worker_message_decoder()
+        self._tasks: list[asyncio.Task] = []
+        self.num_retried = 0
+        self.num_failed_by_worker_loss = 0
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        port = self._output.bind_to_random_port(f"tcp://{cluster.host}")
+        self._output_addr = f"tcp://{cluster.host}:{port}"
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def _make_handle(self, role: str, index: int) -> WorkerHandle:
+        c = self.cluster
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{c.host}")
+        spec = WorkerSpec(
+            worker_id=f"{role}-{index}", role=role, engine_config=self.engine_config,
+            input_addr=f"tcp://{c.host}:{port}", output_addr=self._output_addr,
+            parent_pid=os.getpid(), kv_store_url=c.store_url if role == "prefill" else None,
+            report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
+            kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
+            debug_transfer_delay_s=c.debug_transfer_delay_s)
+        return WorkerHandle(spec, sock)
+
+    async def start(self) -> None:
+        """Spawn every worker and wait until all have loaded the model."""
+        ctx = multiprocessing.get_context("spawn")
+        handles = [self._make_handle("prefill", i) for i in range(self.cluster.num_prefill_workers)]
+        handles += [self._make_handle("decode", i) for i in range(self.cluster.num_decode_workers)]
+        for handle in handles:
+            self.workers[handle.worker_id] = handle
+            handle.proc = ctx.Process(target=run_worker_proc, args=(handle.spec,),
+                                      name=f"deepinfer-{handle.worker_id}", daemon=True)
+            handle.proc.start()
+        await self._wait_ready()
+        now = time.monotonic()
+        for handle in self.workers.values():
+            handle.last_seen = now
+        self._tasks = [asyncio.create_task(self._output_loop(), name="cluster-output-loop"),
+                       asyncio.create_task(self._health_loop(), name="cluster-health-loop")]
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cluster.ready_timeout_s
+        pending = set(self.workers)
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"workers not ready after {self.cluster.ready_timeout_s:.0f}"
+                                      f" s: {sorted(pending)}")
+            if not await self._output.poll(500):
+                for wid in pending:
+                    proc = self.workers[wid].proc
+                    if not proc.is_alive():
+                        raise EngineDeadError(f"{wid} exited with code {proc.exitcode}")
+                continue
+            message = self._decoder.decode(await self._output.recv())
+            if isinstance(message, WorkerFailed):
+                raise EngineDeadError(f"{message.worker_id} failed to start:\n{message.message}")
+            if isinstance(message, WorkerReady):
+                self.workers[message.worker_id].ready = message
+                pending.discard(message.worker_id)
+                if self.tokenizer is None:
+                    self.model_name = message.model_name
+                    self.max_model_len = message.max_model_len
+                    self.vocab_size = message.vocab_size
+                    self.tokenizer = pickle.loads(message.tokenizer_pickle)
+            elif isinstance(message, WorkerReport):
+                self._on_report(message)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for handle in self.workers.values():
+            if handle.proc is not None and handle.proc.is_alive():
+                try:
+                    await handle.input_socket.send(self._encoder.encode(ShutdownWorker()))
+                except zmq.ZMQError:
+                    pass
+        for handle in self.workers.values():
+            if handle.proc is not None:
+                await asyncio.to_thread(handle.proc.join, 10)
+                if handle.proc.is_alive():
+                    handle.proc.kill()
+            handle.input_socket.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def is_healthy(self) -> bool:
+        roles = {h.role for h in self.workers.values() if h.alive and h.ready is not None}
+        return self.dead_message is None and roles == {"prefill", "decode"}
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return sum(1 for t in self._requests.values() if t.num_tokens_streamed == 0)
+
+    @property
+    def stats(self) -> EngineStatsSnapshot:
+        """Cluster-wide gauges for the colocated metrics (per-worker ones: `cluster_metrics`)."""
+        reports = [h.last_report for h in self.workers.values() if h.alive and h.last_report]
+        used = sum(r.num_kv_blocks_used for r in reports)
+        total = sum(r.num_kv_blocks_total for r in reports)
+        counters = [h.counters for h in self.workers.values()]
+        return EngineStatsSnapshot(
+            num_running=sum(r.num_running_reqs for r in reports),
+            num_waiting=sum(r.num_waiting_reqs for r in reports),
+            kv_cache_usage=used / total if total else 0.0, num_kv_blocks_used=used,
+            num_kv_blocks_total=total,
+            prefix_cache_queries=sum(c.prefix_query_tokens for c in counters),
+            prefix_cache_hits=sum(c.device_hit_tokens + c.store_hit_tokens for c in counters))
+
+    # --- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, arrival_time: float | None = None,
+                       ) -> AsyncIterator[RequestDelta]:
+        """Yield the request's deltas until it finishes; see `EngineClient.generate`."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_message or "the cluster has no live prefill or "
+                                  "decode worker")
+        if params.n != 1:
+            raise ValueError("disaggregated serving supports n=1 only")
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        track = _Track(request_id, list(prompt_token_ids), params,
+                       arrival_time or time.monotonic(), asyncio.Queue(),
+                       last_progress=time.monotonic())
+        self._requests[request_id] = track
+        finished = False
+        try:
+            await self._send_prefill(track, exclude=None)
+            while not finished:
+                item = await track.queue.get()
+                if isinstance(item, _RequestFailed):
+                    finished = True
+                    raise item.error
+                finished = item.finished
+                yield item
+        finally:
+            self._requests.pop(request_id, None)
+            self._forget_placement(track)
+            if not finished:
+                await self._abort_track(track)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            track = self._requests.get(request_id)
+            if track is not None:
+                await self._abort_track(track)
+
+    async def _abort_track(self, track: _Track) -> None:
+        for wid in {track.prefill_worker, track.decode_worker} - {None}:
+            await self._send(wid, AbortRequests([track.request_id]))
+            router = self.prefill_router if wid == track.prefill_worker else self.decode_router
+            router.on_request_aborted(track.request_id, wid)
+
+    def _forget_placement(self, track: _Track) -> None:
+        for wid in (track.prefill_worker, track.decode_worker):
+            if wid in self.workers:
+                self.workers[wid].request_ids.discard(track.request_id)
+
+    async def _send(self, worker_id: str, message) -> None:
+        handle = self.workers.get(worker_id)
+        if handle is not None and handle.alive:
+            await handle.input_socket.send(self._encoder.encode(message), copy=False)
+
+    def _loads(self, role: str):
+        return [h.load for h in self.workers.values()
+                if h.role == role and h.alive and h.load is not None]
+
+    async def _send_prefill(self, track: _Track, exclude: str | None) -> None:
+        block_size = self.engine_config.block_size
+        routing = RoutingRequest(
+            request_id=track.request_id, num_prompt_tokens=len(track.prompt_token_ids),
+            block_hashes=hash_request_blocks(track.prompt_token_ids[:4 * block_size], block_size))
+        loads = [ld for ld in self._loads("prefill") if ld.worker_id != exclude]
+        try:
+            worker_id = self.prefill_router.route(routing, loads, time.monotonic())
+        except NoWorkerAvailable as exc:
+            raise EngineDeadError(str(exc)) from None
+        track.phase, track.prefill_worker = "prefill", worker_id
+        self.workers[worker_id].request_ids.add(track.request_id)
+        await self._send(worker_id, PrefillRequest(track.request_id, track.prompt_token_ids,
+                                                   track.params, track.arrival_time))
+
+    async def _send_decode(self, track: _Track, done: PrefillDone) -> None:
+        expected = track.params.max_tokens or 256
+        routing = RoutingRequest(request_id=track.request_id,
+                                 num_prompt_tokens=len(track.prompt_token_ids),
+                                 expected_output_tokens=expected)
+        try:
+            worker_id = self.decode_router.route(routing, self._loads("decode"), time.monotonic())
+        except NoWorkerAvailable as exc:
+            await self._send(track.prefill_worker, AbortRequests([track.request_id]))
+            self._fail(track, f"no decode worker available: {exc}")
+            return
+        self.workers[track.prefill_worker].request_ids.discard(track.request_id)
+        track.phase, track.decode_worker = "decode", worker_id
+        self.workers[worker_id].request_ids.add(track.request_id)
+        await self._send(worker_id, DecodeRequest(
+            request_id=track.request_id, prompt_token_ids=track.prompt_token_ids,
+            sampling_params=track.params, arrival_time=track.arrival_time,
+            first_token_id=done.first_token_id, first_logprob=done.first_logprob,
+            num_text_chars_sent=done.num_text_chars_sent, kv_source_addr=done.kv_addr,
+            num_kv_bytes=done.num_kv_bytes))
+
+    def _fail(self, track: _Track, message: str) -> None:
+        track.queue.put_nowait(_RequestFailed(EngineDeadError(message)))
+
+    # --- worker messages ---------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            try:
+                message = self._decoder.decode(await self._output.recv())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a corrupt frame must not kill the front
+                logger.exception("bad message from a worker: %s", exc)
+                continue
+            if isinstance(message, WorkerReport):
+                self._on_report(message)
+                for done in message.prefill_done:
+                    track = self._requests.get(done.request_id)
+                    if track is None or track.prefill_worker != message.worker_id:
+                        await self._send(message.worker_id, AbortRequests([done.request_id]))
+                        continue
+                    await self._send_decode(track, done)
+            elif isinstance(message, WorkerFailed):
+                await self._on_worker_dead(message.worker_id, f"worker failed: "
+                                           f"{message.message.strip().splitlines()[-1]}")
+
+    def _on_report(self, report: WorkerReport) -> None:
+        handle = self.workers.get(report.worker_id)
+        if handle is None or not handle.alive:
+            return
+        now = time.monotonic()
+        handle.last_seen = now
+        handle.last_report = report.load
+        handle.counters = report.counters
+        handle.load = handle.to_worker_load(report.load, now)
+        router = self.prefill_router if handle.role == "prefill" else self.decode_router
+        router.on_load_report(handle.load)
+        for delta in report.outputs:
+            track = self._requests.get(delta.request_id)
+            if track is None:
+                continue
+            track.num_tokens_streamed += sum(len(c.token_ids) for c in delta.choices)
+            track.last_progress = now
+            track.queue.put_nowait(delta)
+        for error in report.errors:
+            track = self._requests.get(error.request_id)
+            if track is not None:
+                track.queue.put_nowait(_RequestFailed(ValueError(error.message)
+                                                      if track.num_tokens_streamed == 0
+                                                      else EngineDeadError(error.message)))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_PERIOD_S)
+            now = time.monotonic()
+            for handle in list(self.workers.values()):
+                if not handle.alive:
+                    continue
+                if handle.proc is not None and not handle.proc.is_alive():
+                    await self._on_worker_dead(handle.worker_id,
+                                               f"process exited ({handle.proc.exitcode})")
+                elif now - handle.last_seen > self.cluster.heartbeat_timeout_s:
+                    await self._on_worker_dead(handle.worker_id, "missed heartbeats")
+            for track in list(self._requests.values()):
+                if now - track.last_progress > self.cluster.stall_timeout_s:
+                    track.last_progress = now
+                    self._fail(track, f"request made no progress for "
+                                      f"{self.cluster.stall_timeout_s:.0f} s")
+
+    async def _on_worker_dead(self, worker_id: str, reason: str) -> None:
+        handle = self.workers[worker_id]
+        if not handle.alive:
+            return
+        logger.error("%s removed from routing: %s", worker_id, reason)
+        handle.alive, handle.dead_reason = False, reason
+        router = self.prefill_router if handle.role == "prefill" else self.decode_router
+        router.remove_worker(worker_id)
+        for request_id in sorted(handle.request_ids):
+            track = self._requests.get(request_id)
+            if track is None:
+                continue
+            if track.num_tokens_streamed == 0 and track.num_retries == 0 \
+                    and track.phase == "prefill":
+                track.num_retries += 1
+                self.num_retried += 1
+                track.last_progress = time.monotonic()
+                try:
+                    await self._send_prefill(track, exclude=worker_id)
+                    continue
+                except EngineDeadError as exc:
+                    reason = f"{reason}; retry impossible: {exc}"
+            self.num_failed_by_worker_loss += 1
+            self._fail(track, f"{handle.role} worker {worker_id} was lost ({reason}) after "
+                              f"{track.num_tokens_streamed} streamed tokens")
+        handle.request_ids.clear()
+        if handle.proc is not None and handle.proc.is_alive():
+            handle.proc.kill()  # a hung worker must not come back with stale state

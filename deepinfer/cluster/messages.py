@@ -1,0 +1,158 @@
+"""Typed messages of the disaggregated cluster (msgpack via msgspec).
+
+    front ──ClusterInput──▶ worker           PUSH/PULL, one channel per worker
+    front ◀──WorkerMessage── every worker    PUSH/PULL, one shared channel
+    decode ──KVPull──▶ prefill (ROUTER)      DEALER/ROUTER: KV blocks come back as raw frames
+
+A prefill worker answers a `PrefillRequest` with the first token (a `RequestDelta` in its
+`WorkerReport`) and, unless that token finished the request, a `PrefillDone` naming where its
+KV can be pulled. The front routes a `DecodeRequest` to a decode worker, which allocates
+blocks, pulls the KV, and streams the rest. Every `WorkerReport` doubles as a heartbeat.
+Output deltas reuse the colocated server's `RequestDelta` (server.messages).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.messages import RequestDelta, RequestError
+
+# --- front -> worker -----------------------------------------------------------------------
+
+
+class PrefillRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class DecodeRequest(msgspec.Struct, tag=True):
+    """Continue a prefilled request: pull its prompt KV from `kv_source_addr`, then decode.
+
+    `first_token_id` was sampled by the prefill worker and already streamed; the decode
+    worker's delta tracker starts after it (`num_text_chars_sent` characters were sent)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_text_chars_sent: int
+    kv_source_addr: str
+    num_kv_bytes: int
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class ShutdownWorker(msgspec.Struct, tag=True):
+    pass
+
+
+ClusterInput = PrefillRequest | DecodeRequest | AbortRequests | ShutdownWorker
+
+# --- worker -> front -----------------------------------------------------------------------
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    worker_id: str
+    role: str
+    pid: int
+    kv_addr: str | None  # prefill: where decode workers pull KV
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    tokenizer_pickle: bytes
+
+
+class PrefillDone(msgspec.Struct):
+    """The prompt KV of `request_id` is staged at `kv_addr` until pulled or expired."""
+
+    request_id: str
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_text_chars_sent: int
+    kv_addr: str
+    num_kv_bytes: int
+
+
+class WorkerLoadReport(msgspec.Struct):
+    """`routing.WorkerLoad` without the router's clock (the front stamps it on arrival)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_queued_uncached_tokens: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    block_size: int
+    kv_tokens: int
+    max_running_reqs: int
+
+
+class WorkerCounters(msgspec.Struct):
+    """Cumulative counters of one worker (metrics)."""
+
+    prefix_query_tokens: int = 0
+    device_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    store_bytes_read: int = 0
+    store_bytes_written: int = 0
+    store_corrupt_blocks: int = 0
+    transfer_bytes: int = 0  # sent (prefill) or received (decode)
+    num_transfers: int = 0
+    num_transfer_failures: int = 0
+    transfer_seconds_total: float = 0.0
+    num_staged: int = 0  # prefill: KV payloads waiting to be pulled (gauge)
+    staged_bytes: int = 0  # gauge
+
+
+class WorkerReport(msgspec.Struct, tag=True):
+    worker_id: str
+    load: WorkerLoadReport
+    counters: WorkerCounters
+    outputs: list[RequestDelta] = []
+    errors: list[RequestError] = []
+    prefill_done: list[PrefillDone] = []
+
+
+class WorkerFailed(msgspec.Struct, tag=True):
+    worker_id: str
+    message: str
+
+
+WorkerMessage = WorkerReady | WorkerReport | WorkerFailed
+
+# --- decode -> prefill KV pull -------------------------------------------------------------
+
+
+class KVPull(msgspec.Struct):
+    request_id: str
+
+
+class KVPullReply(msgspec.Struct):
+    """Header frame; on success the next frame is the raw KV payload."""
+
+    request_id: str
+    ok: bool
+    shape: list[int] = []
+    dtype: str = ""
+    message: str = ""
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def cluster_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ClusterInput)
+
+
+def worker_message_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(WorkerMessage)

@@ -1,0 +1,125 @@
+"""`SharedPrefixTier`: the shared prefix store as the tier below a worker's device prefix cache.
+
+Before a request is queued, `load_prefix` extends the device cache with the prompt's blocks
+found in the store: each is written into a free device block, registered under its chained
+hash and released (cached-free), so the scheduler's own prefix lookup finds it as if it had
+been computed here and the first prefill chunk starts after it. `write_through` hands a
+prefilled prompt's full blocks to the background `KVStoreWriter`.
+
+Keys are the engine's chained block hashes (same on every process); the store namespaces them
+by a salt of model id, dtype, block size and tensor layout, and checks a checksummed header on
+every read (a corrupt block is a miss: the rest of the prompt is recomputed).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.core.kv_cache_manager import KVCacheManager
+from deepinfer.core.prefix_hash import hash_request_blocks, salt_hash
+from deepinfer.kvstore import KVBlockLayout, KVBlockStore, KVStoreWriter
+from deepinfer.kvstore.tensor_codec import kv_block_from_bytes, kv_block_to_bytes
+from deepinfer.runtime.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+_KNOWN_STORED_CAPACITY = 65536  # hashes this worker wrote or read recently (skip re-writes)
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """What `load_prefix` found: leading blocks already on the device, then from the store."""
+
+    num_device_blocks: int
+    num_store_blocks: int
+
+
+def block_axis_of(cache: PagedKVCache) -> int:
+    """The axis of `cache.read_blocks` output that indexes blocks, found by probing (so this
+    code follows the runtime's cache layout, whatever it is)."""
+    one, two = cache.read_blocks([0]).shape, cache.read_blocks([0, 0]).shape
+    [axis] = [i for i, (a, b) in enumerate(zip(one, two)) if a != b]
+    return axis
+
+
+def layout_for_cache(cache: PagedKVCache) -> KVBlockLayout:
+    """One stored block: `cache.read_blocks([b])` as is (its block axis has size 1)."""
+    shape = tuple(cache.read_blocks([0]).shape)
+    axis = block_axis_of(cache)
+    axes = tuple("block" if i == axis else f"d{i}" for i in range(len(shape)))
+    return KVBlockLayout(str(cache.spec.dtype).removeprefix("torch."), shape, axes)
+
+
+def store_salt(layout: KVBlockLayout, model_id: str, block_size: int) -> bytes:
+    """The namespace of this model's blocks in a shared store (model, dtype, block size,
+    tensor layout): workers that differ in any of them never share blocks."""
+    return salt_hash(model_id, layout.dtype, str(block_size), layout.descriptor)
+
+
+class SharedPrefixTier:
+    def __init__(self, store: KVBlockStore, cache: PagedKVCache, kv: KVCacheManager,
+                 layout: KVBlockLayout, max_pending_writes: int = 1024) -> None:
+        if not kv.enable_prefix_caching:
+            raise ValueError("the shared prefix tier needs the device prefix cache")
+        self.store = store
+        self.cache = cache
+        self.kv = kv
+        self.layout = layout
+        self.block_axis = block_axis_of(cache)
+        self.writer = KVStoreWriter(store, max_pending_writes)
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+
+    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        return hash_request_blocks(token_ids, self.kv.block_size, self.kv.hash_salt)
+
+    def load_prefix(self, token_ids: list[int]) -> PrefixLoad:
+        """Bring the prompt's store-cached blocks (after its device-cached ones) into free
+        device blocks. At least one token is left to compute, as in `find_prefix`."""
+        pool = self.kv.pool
+        hashes = self.block_hashes(token_ids)[:(len(token_ids) - 1) // self.kv.block_size]
+        num_device = 0
+        while num_device < len(hashes) and pool.is_cached(hashes[num_device]):
+            num_device += 1
+        # Keep half the free blocks for compute: loading must never evict its own blocks.
+        budget = pool.num_free_blocks // 2
+        num_store = 0
+        for block_hash in hashes[num_device:num_device + budget]:
+            payload = self.store.get(block_hash)
+            if payload is None:
+                break  # absent, evicted or corrupt: compute from here on
+            block = kv_block_from_bytes(payload, self.layout, self.cache.kv.device)
+            [device_block] = pool.allocate(1)
+            self.cache.write_blocks([device_block.block_id], block)
+            pool.cache_block(device_block, block_hash)
+            pool.free([device_block])
+            self._remember(block_hash)
+            num_store += 1
+        return PrefixLoad(num_device, num_store)
+
+    def write_through(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Queue the prompt's full blocks not yet known to be stored; returns blocks queued.
+
+        `kv`: `cache.read_blocks` of the prompt's blocks (a copy, not mutated)."""
+        num_queued = 0
+        for i, block_hash in enumerate(self.block_hashes(token_ids)):
+            if block_hash in self._known:
+                self._known.move_to_end(block_hash)
+                continue
+            payload = kv_block_to_bytes(kv.narrow(self.block_axis, i, 1), self.layout)
+            if self.writer.submit(block_hash, payload):
+                self._remember(block_hash)
+                num_queued += 1
+        return num_queued
+
+    def _remember(self, block_hash: bytes) -> None:
+        self._known[block_hash] = None
+        self._known.move_to_end(block_hash)
+        while len(self._known) > _KNOWN_STORED_CAPACITY:
+            self._known.popitem(last=False)
+
+    def close(self) -> None:
+        self.writer.close(timeout_s=5.0)
+        self.store.close()

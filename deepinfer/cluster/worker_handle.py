@@ -1,0 +1,44 @@
+"""`WorkerHandle`: the front's view of one worker process (socket, readiness, load, health)."""
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport, WorkerReady
+from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.routing import WorkerLoad
+
+
+@dataclass
+class WorkerHandle:
+    spec: WorkerSpec
+    input_socket: zmq.asyncio.Socket
+    proc: multiprocessing.process.BaseProcess | None = None
+    ready: WorkerReady | None = None
+    alive: bool = True
+    last_seen: float = 0.0
+    load: WorkerLoad | None = None
+    last_report: WorkerLoadReport | None = None
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    request_ids: set[str] = field(default_factory=set)  # requests the front placed here
+    dead_reason: str | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    def to_worker_load(self, report: WorkerLoadReport, now: float) -> WorkerLoad:
+        return WorkerLoad(
+            worker_id=self.worker_id, role=self.role, timestamp=now,
+            num_running_reqs=report.num_running_reqs, num_waiting_reqs=report.num_waiting_reqs,
+            num_queued_uncached_tokens=report.num_queued_uncached_tokens,
+            num_kv_blocks_used=report.num_kv_blocks_used,
+            num_kv_blocks_total=report.num_kv_blocks_total, block_size=report.block_size,
+            kv_tokens=report.kv_tokens, max_running_reqs=report.max_running_reqs,
+            healthy=self.alive)

@@ -1,0 +1,142 @@
+"""`WorkerLoop`: what prefill and decode workers share — sockets, inputs, reports, heartbeats.
+
+    front PUSH ──ClusterInput──▶ PULL  worker loop  PUSH ──WorkerReport──▶ PULL front
+
+The loop drains its input between steps without waiting, steps the engine while it has
+work, and sends one `WorkerReport` (outputs, errors, handoffs, load, counters) after every
+step that produced something, on every input, and at least every `report_interval_s` (the
+heartbeat). Idle, it blocks on the input socket for at most the report interval.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from deepinfer.cluster.messages import (AbortRequests, PrefillDone, ShutdownWorker,
+                                        WorkerCounters, WorkerLoadReport, WorkerReport,
+                                        cluster_input_decoder, make_encoder)
+from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.server.engine_proc import OutputDeltaTracker
+from deepinfer.server.messages import RequestDelta, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLoop:
+    role = "worker"
+
+    def __init__(self, spec: WorkerSpec, engine, input_socket: zmq.Socket,
+                 output_socket: zmq.Socket) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.tracker = OutputDeltaTracker()
+        self.counters = WorkerCounters()
+        self.encoder = make_encoder()
+        self.decoder = cluster_input_decoder()
+        self._outputs: list[RequestDelta] = []
+        self._errors: list[RequestError] = []
+        self._prefill_done: list[PrefillDone] = []
+        self._dirty = True
+        self._last_report = 0.0
+
+    # --- hooks -------------------------------------------------------------------------------
+    def handle(self, message) -> None:
+        raise NotImplementedError
+
+    def before_step(self) -> None:
+        """Work between steps that is not an input (e.g. finished transfers)."""
+
+    def has_step_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def has_background_work(self) -> bool:
+        """Work that needs polling but not a step (e.g. transfers in flight)."""
+        return False
+
+    def after_step(self, outputs: list) -> None:
+        for output in outputs:
+            self._outputs.append(self.tracker.to_delta(output))
+
+    def extra_load(self) -> tuple[int, int]:
+        """(waiting requests, KV tokens) held outside the scheduler's queues."""
+        return 0, 0
+
+    def update_counters(self) -> None:
+        """Refresh cumulative counters before a report."""
+
+    # --- loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            busy = self.has_step_work()
+            timeout_ms = 0 if busy else (5 if self.has_background_work()
+                                         else int(self.spec.report_interval_s * 1000))
+            if not self._drain_inputs(timeout_ms):
+                return
+            self.before_step()
+            if self.has_step_work():
+                outputs = self.engine.step()
+                self.after_step(outputs)
+                self._dirty = self._dirty or bool(outputs)
+            if self._dirty or time.monotonic() - self._last_report >= self.spec.report_interval_s:
+                self.send_report()
+            if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
+                logger.warning("front process is gone; %s exiting", self.spec.worker_id)
+                return
+
+    def _drain_inputs(self, timeout_ms: int) -> bool:
+        if not self.input_socket.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = self.decoder.decode(frame)
+            if isinstance(message, ShutdownWorker):
+                return False
+            self._dirty = True
+            if isinstance(message, AbortRequests):
+                self.engine.abort_request(message.request_ids)
+                self.tracker.forget(message.request_ids)
+            self.handle(message)
+
+    # --- reports -----------------------------------------------------------------------------
+    def emit_error(self, request_id: str, message: str) -> None:
+        self._errors.append(RequestError(request_id, message))
+        self._dirty = True
+
+    def emit_prefill_done(self, done: PrefillDone) -> None:
+        self._prefill_done.append(done)
+        self._dirty = True
+
+    def load_report(self) -> WorkerLoadReport:
+        sched = self.engine.scheduler
+        kv = sched.kv
+        extra_waiting, extra_kv_tokens = self.extra_load()
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running
+                      if r.num_tokens - r.num_computed_tokens > 1)
+        return WorkerLoadReport(
+            num_running_reqs=sched.num_running,
+            num_waiting_reqs=sched.num_waiting + extra_waiting,
+            num_queued_uncached_tokens=queued,
+            num_kv_blocks_used=kv.pool.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            block_size=kv.block_size,
+            kv_tokens=sum(r.num_tokens for r in sched.running) + extra_kv_tokens,
+            max_running_reqs=sched.config.max_num_seqs)
+
+    def send_report(self) -> None:
+        self.update_counters()
+        report = WorkerReport(worker_id=self.spec.worker_id, load=self.load_report(),
+                              counters=self.counters, outputs=self._outputs,
+                              errors=self._errors, prefill_done=self._prefill_done)
+        self.output_socket.send(self.encoder.encode(report), copy=False)
+        self._outputs, self._errors, self._prefill_done = [], [], []
+        self._dirty = False
+        self._last_report = time.monotonic()

@@ -1,0 +1,88 @@
+"""Process entry of one prefill or decode worker: build the engine, announce, loop."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+
+import zmq
+
+from deepinfer.cluster.messages import WorkerFailed, WorkerReady, make_encoder
+from deepinfer.cluster.worker_spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
+    from deepinfer.cluster.kv_transport import ZmqKVTransport
+    from deepinfer.cluster.prefill_worker import PrefillWorkerLoop
+    from deepinfer.cluster.prefix_store_tier import (SharedPrefixTier, layout_for_cache,
+                                                     store_salt)
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.kvstore import open_store
+
+    engine = LLMEngine(spec.engine_config)
+    transport = ZmqKVTransport(spec.host, serve=True)
+    tier = None
+    if spec.kv_store_url is not None:
+        layout = layout_for_cache(engine.cache)
+        salt = store_salt(layout, engine.source.name, engine.config.block_size)
+        store = open_store(spec.kv_store_url, salt, layout=layout.descriptor)
+        tier = SharedPrefixTier(store, engine.cache, engine.scheduler.kv, layout)
+    loop = PrefillWorkerLoop(spec, engine, input_socket, output_socket, transport, tier)
+    return engine, loop, transport, tier
+
+
+def _build_decode(spec: WorkerSpec, input_socket, output_socket):
+    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
+    from deepinfer.cluster.decode_worker import DecodeWorkerLoop
+    from deepinfer.cluster.kv_transport import ZmqKVTransport
+
+    engine = DisaggDecodeEngine(spec.engine_config)
+    transport = ZmqKVTransport(spec.host, serve=False)
+    loop = DecodeWorkerLoop(spec, engine, input_socket, output_socket, transport)
+    return engine, loop, transport, None
+
+
+def run_worker_proc(spec: WorkerSpec) -> None:
+    """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
+    (after sending `WorkerFailed`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {spec.worker_id}: %(message)s")
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(spec.input_addr)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(spec.output_addr)
+    encoder = make_encoder()
+    transport = tier = None
+    try:
+        build = _build_prefill if spec.role == "prefill" else _build_decode
+        engine, loop, transport, tier = build(spec, input_socket, output_socket)
+        kv = engine.scheduler.kv
+        output_socket.send(encoder.encode(WorkerReady(
+            worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
+            kv_addr=transport.address or None, model_name=engine.model_name,
+            max_model_len=int(engine.max_model_len),
+            vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
+            num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
+            tokenizer_pickle=pickle.dumps(engine.tokenizer))))
+        loop.run()
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("worker failed:\n%s", message)
+        output_socket.send(encoder.encode(WorkerFailed(spec.worker_id, message[-4000:])))
+        raise SystemExit(1)
+    finally:
+        if tier is not None:
+            tier.close()
+        if transport is not None:
+            transport.close()
+        input_socket.close(linger=0)
+        output_socket.close()
+        ctx.term()
