@@ -1,11 +1,13 @@
 """Paged KV cache tensors and their sizing from a memory budget.
 
-Layout, one tensor for all layers (block-major inside each head so a request's blocks gather
-into one contiguous [kv_heads, tokens, head_dim] run per head):
+Layout, one tensor for all layers, token-major inside a block:
 
-    kv[layer, 0=K|1=V, kv_head, block_id, slot_in_block, head_dim]
+    kv[layer, 0=K|1=V, block_id, slot_in_block, kv_head, head_dim]
 
-A token's slot is block_id * block_size + slot_in_block.
+A token's slot is block_id * block_size + slot_in_block. Gathering a request's blocks is then
+one index_select of contiguous block_size*kv_heads*head_dim runs, and the gathered
+[tokens, kv_heads, head_dim] tensor feeds SDPA as a strided [kv_heads, tokens, head_dim] view
+(measured ~4x faster than a head-major layout, whose gather needs a strided index).
 """
 from __future__ import annotations
 
@@ -62,18 +64,18 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         # empty, not zeros: unwritten slots are never read (masked), and zeroing GBs is slow.
-        self.kv = torch.empty(spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size,
+        self.kv = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                               spec.head_dim, dtype=spec.dtype, device=device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer, each [kv_heads, num_blocks, block_size, head_dim]."""
+        """(K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of whole blocks: [num_layers, 2, kv_heads, len(block_ids), block_size, head_dim]."""
+        """Copy of whole blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(3, index)
+        return self.kv.index_select(2, index)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(3, index, data.to(self.kv.dtype))
+        self.kv.index_copy_(2, index, data.to(self.kv.dtype))

@@ -82,8 +82,8 @@ class ModelRunner:
         dev = self.device
         ctx = torch.arange(width * self.block_size, device=dev)
         mask = ctx.unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, ctx]
-        return DecodeMetadata(len(tables), torch.tensor(padded, dtype=torch.long, device=dev),
-                              mask[:, None, None, :])
+        block_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
+        return DecodeMetadata(len(tables), block_ids, mask[:, None, None, :])
 
     def _prefill_meta(self, r: ScheduledRequest, start: int) -> PrefillChunkMetadata:
         p0, x = r.num_computed_tokens, r.num_new_tokens

@@ -21,7 +21,7 @@ from deepinfer.runtime.kv_cache import PagedKVCache
 @dataclass
 class DecodeMetadata:
     num_tokens: int
-    block_tables: Tensor  # [B, max_blocks] long (padding points at block 0, masked out)
+    block_ids: Tensor  # [B * max_blocks] long, row-major block tables (padding: block 0, masked)
     attn_mask: Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
 
 
@@ -50,11 +50,11 @@ class PagedAttention:
         self.num_heads = num_heads
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache, v_cache = self.cache.layer(layer_idx)  # [KV, blocks, bs, d]
-        num_kv_heads, _, _, head_dim = k_cache.shape
+        k_cache, v_cache = self.cache.layer(layer_idx)  # [blocks, bs, KV, d]
+        _, _, num_kv_heads, head_dim = k_cache.shape
         slots = self.meta.slot_mapping
-        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
         out = torch.empty_like(q)
         gqa = self.num_heads != num_kv_heads
         if self.meta.decode is not None:
@@ -65,11 +65,12 @@ class PagedAttention:
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:
         meta = self.meta.decode
-        num, tables = meta.num_tokens, meta.block_tables
-        num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-        # Gather each request's blocks into one contiguous run: [KV, B, ctx, d] -> [B, KV, ctx, d]
-        keys = k_cache[:, tables].view(num_kv_heads, num, -1, head_dim).transpose(0, 1)
-        values = v_cache[:, tables].view(num_kv_heads, num, -1, head_dim).transpose(0, 1)
+        num = meta.num_tokens
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        # Gather each request's blocks into one run: [B, ctx, KV, d] -> strided [B, KV, ctx, d]
+        keys = k_cache.index_select(0, meta.block_ids).view(num, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, meta.block_ids).view(num, -1, num_kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         query = q[:num].unsqueeze(2)  # [B, H, 1, d]
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.attn_mask,
                                            enable_gqa=gqa)
@@ -78,15 +79,19 @@ class PagedAttention:
     def _prefill(self, chunk: PrefillChunkMetadata, q: Tensor, k: Tensor, v: Tensor,
                  k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:
         lo, hi = chunk.start, chunk.start + chunk.num_tokens
-        query = q[lo:hi].transpose(0, 1)  # [H, x, d]
+        # 4-D [1, heads, tokens, d]: 3-D inputs miss the fused CPU flash kernel.
+        query = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, x, d]
         if chunk.block_ids is None:
-            keys, values = k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1)  # [KV, x, d]
+            keys = k[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, KV, x, d]
+            values = v[lo:hi].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=gqa)
         else:
             ctx = chunk.num_computed_tokens + chunk.num_tokens
-            num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-            keys = k_cache[:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
-            values = v_cache[:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            keys = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+            values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+            keys = keys[:ctx].transpose(0, 1).unsqueeze(0)  # [1, KV, ctx, d]
+            values = values[:ctx].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.attn_mask,
                                                enable_gqa=gqa)
-        out[lo:hi] = o.transpose(0, 1)
+        out[lo:hi] = o[0].transpose(0, 1)
