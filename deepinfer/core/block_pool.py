@@ -77,9 +77,9 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; pass them in eviction order (first = evicted first)."""
         for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
+            if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed twice")
+            block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
                 if block.block_hash is None or not self.enable_caching:

@@ -21,8 +21,9 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int],
     h = hashlib.sha256()
     h.update(parent)
     for key in extra_keys:
-        data = key.encode() if isinstance(key, str) else struct.pack("<q", key)
-        h.update(struct.pack("<I", len(data)))
+        # A type tag keeps the int 1 and the string of its packed bytes apart.
+        tag, data = (b"s", key.encode()) if isinstance(key, str) else (b"i", struct.pack("<q", key))
+        h.update(tag + struct.pack("<I", len(data)))
         h.update(data)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     return h.digest()[:16]

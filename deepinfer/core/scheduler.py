@@ -60,6 +60,11 @@ class Scheduler:
         if request.num_tokens >= min(self.config.max_model_len, max_tokens):
             raise ValueError(f"prompt has {request.num_tokens} tokens; the limit is "
                              f"{min(self.config.max_model_len, max_tokens) - 1}")
+        token_budget = getattr(self.budget_policy, "max_num_batched_tokens", None)
+        if not self.config.enable_chunked_prefill and token_budget and \
+                request.num_tokens > token_budget:
+            raise ValueError(f"prompt has {request.num_tokens} tokens, more than "
+                             f"max_num_batched_tokens ({token_budget}) with chunked prefill off")
         request.max_model_len = self.config.max_model_len
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -138,7 +143,6 @@ class Scheduler:
         # Running decodes first, then running prefill chunks (Sarathi's decode-maximal
         # batching): a step always serves its decodes; prefill chunks get what the budget leaves.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        scheduled_ids: set[str] = set()
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -147,19 +151,21 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                # The most recently admitted request not already scheduled in this step.
-                victim = next(r for r in reversed(self.running)
-                              if r.request_id not in scheduled_ids)
+                # Preempt strictly by admission order (newest first), even if the victim was
+                # already scheduled this step: then it is unscheduled and the budget replayed.
+                victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
+                if any(r is victim for r, _ in scheduled):
+                    scheduled = [(r, n) for r, n in scheduled if r is not victim]
+                    budget = self._replay_budget(scheduled)
+                    num_new = budget.fit_chunk(request.num_computed_tokens,
+                                               request.num_tokens - request.num_computed_tokens)
             else:
                 budget.consume(request.num_computed_tokens, num_new)
                 scheduled.append((request, num_new))
-                scheduled_ids.add(request.request_id)
-                continue
-            break  # the request preempted itself: nothing behind it can run either
 
         if not preempted:
             self._schedule_waiting(budget, scheduled)
@@ -174,6 +180,12 @@ class Scheduler:
         self._finished_ids = []
         return output
 
+    def _replay_budget(self, scheduled: list[tuple[Request, int]]) -> StepBudget:
+        budget = self.budget_policy.new_step()
+        for request, num_new in scheduled:
+            budget.consume(request.num_computed_tokens, num_new)
+        return budget
+
     def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -181,12 +193,16 @@ class Scheduler:
             num_computed = hit.num_tokens
             remaining = request.num_tokens - num_computed
             num_new = budget.fit_chunk(num_computed, remaining)
-            if num_new == 0 or (num_new < remaining and not self.config.enable_chunked_prefill):
+            if num_new < remaining and not self.config.enable_chunked_prefill:
+                if scheduled:
+                    break
+                num_new = remaining  # alone in the step it may exceed the budget, or never run
+            if num_new == 0:
                 break
             request.num_computed_tokens = num_computed  # 0 unless the cache hit
             if not self.kv.allocate_slots(request, num_new, hit):
                 request.num_computed_tokens = 0
-                if not self.running:
+                if not self.running and not self.transferring:
                     # Every block is free or evictable and it still does not fit: it never will.
                     self.waiting.popleft()
                     self._finish(request, RequestStatus.FINISHED_LENGTH)

@@ -238,9 +238,6 @@ def test_bad_sizes_and_double_free_raise():
         pool.free([a])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: BlockPool.free decrements before checking, so a double free "
-                   "raises but leaves ref_cnt == -1 (check_invariants then fails)")
 def test_double_free_leaves_the_pool_unchanged():
     pool = BlockPool(2)
     (a,) = pool.allocate(1)

@@ -226,10 +226,6 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_in_whole():
     h.assert_no_leaks()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: with chunked prefill off, a prompt longer than "
-                   "max_num_batched_tokens is accepted but never scheduled; it blocks the FCFS "
-                   "queue forever (the engine's defaults allow this: 2048 budget, 8192 max len)")
 def test_without_chunked_prefill_an_oversized_prompt_does_not_stall_the_queue():
     h = Harness(max_num_batched_tokens=10, chunked=False)
     try:
@@ -426,10 +422,6 @@ def test_preempted_requests_are_readmitted_before_later_arrivals():
     h.assert_no_leaks()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: decode-first order + 'victims are never already scheduled' "
-                   "preempts an older prefill while newer decodes scheduled earlier in the step "
-                   "keep their blocks (docstring: the most recently admitted is preempted)")
 def test_an_older_prefill_is_not_preempted_while_a_newer_decode_runs():
     h = Harness(num_blocks=8, block_size=4, max_num_batched_tokens=5)
     h.sched.budget_policy = CappedChunkPolicy(total=5, per_request=3)
@@ -443,10 +435,6 @@ def test_an_older_prefill_is_not_preempted_while_a_newer_decode_runs():
     assert out.preempted_request_ids[0] == "d1"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: after a decode preempts itself, schedule() breaks out of the "
-                   "running loop, so older running requests later in the decode-first order "
-                   "are skipped and the step is empty although they fit")
 def test_a_step_is_never_empty_while_requests_keep_running():
     h = Harness(num_blocks=8, block_size=4, max_num_batched_tokens=4)
     h.sched.budget_policy = CappedChunkPolicy(total=4, per_request=3)
@@ -561,7 +549,7 @@ def test_random_workloads_finish_correctly_without_leaks(seed, block_size, num_b
     capacity = num_blocks * block_size
     max_model_len = rng.randint(max(2, capacity // 2), capacity)  # fits the cache alone
     if not chunked:
-        budget = max(budget, max_model_len)  # see the xfail test above
+        budget = max(budget, max_model_len)  # prompts above the budget are rejected without chunking
     h = Harness(num_blocks, block_size, budget, max_num_seqs, max_model_len, chunked, caching)
     base = [rng.randrange(10, 14) for _ in range(capacity)]  # shared prefixes are common
     scripts, expected, aborted = {}, {}, set()
@@ -598,10 +586,6 @@ def test_random_workloads_finish_correctly_without_leaks(seed, block_size, num_b
         assert request.status.finish_reason in reasons
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: _schedule_waiting finishes a waiting request with 'length' "
-                   "when nothing is running, but blocks held by a KV transfer "
-                   "(Scheduler.transferring) will come back; the request fits")
 def test_blocks_held_by_a_transfer_do_not_make_a_waiting_request_fail():
     h = Harness(num_blocks=8, block_size=4)
     transfer = Request("t", prompt(20), params(max_tokens=5), eos_token_ids=(EOS,))
