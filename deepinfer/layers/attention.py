@@ -17,7 +17,8 @@ class AttentionBackend(Protocol):
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (RoPE and q/k-norm already
         applied, same dtype as the model). Returns [T, num_heads, head_dim]. The backend owns
-        scaling (1/sqrt(head_dim)), causality, the KV cache and which tokens belong to which sequence."""
+        scaling (1/sqrt(head_dim)), causality, the KV cache and which tokens belong to which sequence.
+        q/k/v may be strided views into one projection output (do not assume contiguity)."""
         ...
 
 

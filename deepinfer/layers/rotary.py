@@ -51,7 +51,7 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, d] and k [T, KV, d] at integer `positions` [T]."""
+    """The cos/sin table; `cos_sin(positions)` gathers rows once per forward for all layers."""
 
     def __init__(
         self,
@@ -67,17 +67,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
         t = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_pos, d/2], float32 like HF
-        # Cast once to the model dtype, as HF casts cos/sin before applying.
-        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+        # [max_pos, d] = cos | sin, cast once to the model dtype (HF casts cos/sin before use).
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype),
+                             persistent=False)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T] -> cos, sin each [T, 1, d/2] (broadcast over heads)."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, d]
+        return cos_sin.chunk(2, dim=-1)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """Rotate q [T, H, d] and k [T, KV, d] (convenience; the model shares `cos_sin`)."""
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x*cos + rotate_half(x)*sin with the halves written out (no full-width cos/sin cat)."""
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, d] -> x*cos + rotate_half(x)*sin, halves written out (no full-width cos/sin)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -21,13 +21,13 @@ from deepinfer.layers.attention import AttentionBackend
 from deepinfer.layers.empty_init import uninitialized
 from deepinfer.layers.mlp import SwiGLUMLP
 from deepinfer.layers.norm import RMSNorm
-from deepinfer.layers.rotary import RotaryEmbedding
+from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from deepinfer.models.model_config import ModelConfig
 from deepinfer.models.weight_mapping import load_hf_named_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -44,31 +44,35 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = rotary  # shared table; not registered twice in state_dict (buffers are non-persistent)
 
-    def forward(self, positions: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, cos: Tensor, sin: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*KV) * d]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, d]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, d]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        num_tokens, num_qk_heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent in each row: rotate them as one [T, H + KV, d] view.
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, d], [T, KV, d]
+        else:
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
         out = attn.forward(self.layer_idx, q, k, v)  # [T, H, d]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, positions: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn)
+    def forward(self, cos: Tensor, sin: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
+        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -80,14 +84,15 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions)  # [T, 1, d/2] each, shared by all layers
         for layer in self.layers:
-            hidden = layer(positions, hidden, attn)
+            hidden = layer(cos, sin, hidden, attn)
         return self.norm(hidden)
 
 
