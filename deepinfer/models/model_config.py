@@ -89,8 +89,8 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
-            (int(eos),) if eos is not None else ())
+        eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        eos_ids = tuple(dict.fromkeys(int(e) for e in eos_list))
         use_sw = cfg.get("use_sliding_window", arch == "mistral")
         return cls(
             architecture=arch,

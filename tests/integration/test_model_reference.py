@@ -101,3 +101,24 @@ def test_unloadable_paths_give_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported"):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_num_params_formula_matches_modules(saved_models, kind):
+    hf_model, directory = saved_models[kind]
+    config = resolve_model(directory).config
+    assert config.num_params() == sum(p.numel() for p in hf_model.parameters())
+    ours = load_model(resolve_model(directory), torch.float32)
+    assert config.num_params() == sum(p.numel() for p in ours.parameters())
+
+
+def test_registry_maps_names_and_rejects_others():
+    from deepinfer.models.registry import architecture_from_gguf, get_model_class
+
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "qwen3"):
+        assert get_model_class(name) is LlamaForCausalLM
+    assert architecture_from_gguf("qwen2") == "qwen2"
+    with pytest.raises(ValueError, match="unsupported"):
+        get_model_class("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="unsupported GGUF"):
+        architecture_from_gguf("gemma3")
