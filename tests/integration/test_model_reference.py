@@ -122,3 +122,16 @@ def test_registry_maps_names_and_rejects_others():
         get_model_class("GPT2LMHeadModel")
     with pytest.raises(ValueError, match="unsupported GGUF"):
         architecture_from_gguf("gemma3")
+
+
+def test_hf_directory_tokenizer_and_generation_config_eos(tmp_path, saved_models, default_model_source):
+    """A directory with tokenizer files and a generation_config listing extra stop ids."""
+    hf_model, _ = saved_models["llama"]
+    hf_model.save_pretrained(tmp_path)
+    default_model_source.load_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    source = resolve_model(str(tmp_path))
+    assert source.config.eos_token_ids == (2, 5)
+    tokenizer = source.load_tokenizer()
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer("Hello world").input_ids == default_model_source.load_tokenizer()("Hello world").input_ids
