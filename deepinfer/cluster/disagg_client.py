@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ import zmq.asyncio
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.messages import (AbortRequests, DecodeRequest, PrefillDone,
                                         PrefillRequest, ShutdownWorker, WorkerFailed,
+                                        WorkerHeartbeat,
+                                        WorkerLoadReport,
                                         WorkerReady, WorkerReport, make_encoder,
                                         worker_message_decoder)
 from deepinfer.cluster.worker_handle import WorkerHandle
@@ -43,6 +46,7 @@ from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_PERIOD_S = 0.1
+MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
 
 
 @dataclass
@@ -79,6 +83,8 @@ class DisaggClient:
         self._decoder = worker_message_decoder()
         self._tasks: list[asyncio.Task] = []
         self.num_retried = 0
+        # request id -> [prefill worker, decode worker] of recent requests (bounded).
+        self.placements: OrderedDict[str, list[str | None]] = OrderedDict()
         self.num_failed_by_worker_loss = 0
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -116,6 +122,11 @@ class DisaggClient:
         now = time.monotonic()
         for handle in self.workers.values():
             handle.last_seen = now
+            if handle.load is None:  # routable before its first report: an empty worker
+                r = handle.ready
+                handle.last_report = WorkerLoadReport(0, 0, 0, 0, r.num_kv_blocks, r.block_size,
+                                                      0, r.max_num_seqs)
+                handle.load = handle.to_worker_load(handle.last_report, now)
         self._tasks = [asyncio.create_task(self._output_loop(), name="cluster-output-loop"),
                        asyncio.create_task(self._health_loop(), name="cluster-health-loop")]
 
@@ -257,6 +268,7 @@ class DisaggClient:
         except NoWorkerAvailable as exc:
             raise EngineDeadError(str(exc)) from None
         track.phase, track.prefill_worker = "prefill", worker_id
+        self._place(track.request_id, 0, worker_id)
         self.workers[worker_id].request_ids.add(track.request_id)
         await self._send(worker_id, PrefillRequest(track.request_id, track.prompt_token_ids,
                                                    track.params, track.arrival_time))
@@ -274,6 +286,7 @@ class DisaggClient:
             return
         self.workers[track.prefill_worker].request_ids.discard(track.request_id)
         track.phase, track.decode_worker = "decode", worker_id
+        self._place(track.request_id, 1, worker_id)
         self.workers[worker_id].request_ids.add(track.request_id)
         await self._send(worker_id, DecodeRequest(
             request_id=track.request_id, prompt_token_ids=track.prompt_token_ids,
@@ -281,6 +294,12 @@ class DisaggClient:
             first_token_id=done.first_token_id, first_logprob=done.first_logprob,
             num_text_chars_sent=done.num_text_chars_sent, kv_source_addr=done.kv_addr,
             num_kv_bytes=done.num_kv_bytes))
+
+    def _place(self, request_id: str, stage: int, worker_id: str) -> None:
+        self.placements.setdefault(request_id, [None, None])[stage] = worker_id
+        self.placements.move_to_end(request_id)
+        while len(self.placements) > MAX_PLACEMENTS:
+            self.placements.popitem(last=False)
 
     def _fail(self, track: _Track, message: str) -> None:
         track.queue.put_nowait(_RequestFailed(EngineDeadError(message)))
@@ -303,6 +322,10 @@ class DisaggClient:
                         await self._send(message.worker_id, AbortRequests([done.request_id]))
                         continue
                     await self._send_decode(track, done)
+            elif isinstance(message, WorkerHeartbeat):
+                handle = self.workers.get(message.worker_id)
+                if handle is not None and handle.alive:
+                    handle.last_seen = time.monotonic()
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_dead(message.worker_id, f"worker failed: "
                                            f"{message.message.strip().splitlines()[-1]}")

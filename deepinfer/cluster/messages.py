@@ -7,7 +7,8 @@
 A prefill worker answers a `PrefillRequest` with the first token (a `RequestDelta` in its
 `WorkerReport`) and, unless that token finished the request, a `PrefillDone` naming where its
 KV can be pulled. The front routes a `DecodeRequest` to a decode worker, which allocates
-blocks, pulls the KV, and streams the rest. Every `WorkerReport` doubles as a heartbeat.
+blocks, pulls the KV, and streams the rest. Every `WorkerReport` doubles as a heartbeat; a
+heartbeat thread also sends `WorkerHeartbeat` while a long step runs.
 Output deltas reuse the colocated server's `RequestDelta` (server.messages).
 """
 from __future__ import annotations
@@ -122,12 +123,20 @@ class WorkerReport(msgspec.Struct, tag=True):
     prefill_done: list[PrefillDone] = []
 
 
+class WorkerHeartbeat(msgspec.Struct, tag=True):
+    """Sent by a worker's heartbeat thread, so a long step is not mistaken for a dead worker.
+    `loop_age_s`: time since its engine loop last finished an iteration."""
+
+    worker_id: str
+    loop_age_s: float
+
+
 class WorkerFailed(msgspec.Struct, tag=True):
     worker_id: str
     message: str
 
 
-WorkerMessage = WorkerReady | WorkerReport | WorkerFailed
+WorkerMessage = WorkerReady | WorkerReport | WorkerHeartbeat | WorkerFailed
 
 # --- decode -> prefill KV pull -------------------------------------------------------------
 

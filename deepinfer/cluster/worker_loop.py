@@ -43,6 +43,7 @@ class WorkerLoop:
         self._prefill_done: list[PrefillDone] = []
         self._dirty = True
         self._last_report = 0.0
+        self.last_iteration_time = time.monotonic()  # read by the heartbeat thread
 
     # --- hooks -------------------------------------------------------------------------------
     def handle(self, message) -> None:
@@ -84,6 +85,7 @@ class WorkerLoop:
                 self._dirty = self._dirty or bool(outputs)
             if self._dirty or time.monotonic() - self._last_report >= self.spec.report_interval_s:
                 self.send_report()
+            self.last_iteration_time = time.monotonic()
             if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
                 logger.warning("front process is gone; %s exiting", self.spec.worker_id)
                 return

@@ -5,11 +5,13 @@ import logging
 import os
 import pickle
 import signal
+import threading
+import time
 import traceback
 
 import zmq
 
-from deepinfer.cluster.messages import WorkerFailed, WorkerReady, make_encoder
+from deepinfer.cluster.messages import WorkerFailed, WorkerHeartbeat, WorkerReady, make_encoder
 from deepinfer.cluster.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,18 @@ def _build_decode(spec: WorkerSpec, input_socket, output_socket):
     return engine, loop, transport, None
 
 
+def _heartbeat_thread(spec: WorkerSpec, ctx: zmq.Context, loop, stop: threading.Event) -> None:
+    """Own socket (ZMQ sockets are not thread-safe); beats while the loop is inside a step."""
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(spec.output_addr)
+    encoder = make_encoder()
+    while not stop.wait(spec.report_interval_s):
+        age = time.monotonic() - loop.last_iteration_time
+        socket.send(encoder.encode(WorkerHeartbeat(spec.worker_id, age)))
+    socket.close(linger=0)
+
+
 def run_worker_proc(spec: WorkerSpec) -> None:
     """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
     (after sending `WorkerFailed`)."""
@@ -72,7 +86,15 @@ def run_worker_proc(spec: WorkerSpec) -> None:
             vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
             tokenizer_pickle=pickle.dumps(engine.tokenizer))))
-        loop.run()
+        stop = threading.Event()
+        beat = threading.Thread(target=_heartbeat_thread, args=(spec, ctx, loop, stop),
+                                name="heartbeat", daemon=True)
+        beat.start()
+        try:
+            loop.run()
+        finally:
+            stop.set()
+            beat.join(2.0)
     except Exception:
         message = traceback.format_exc()
         logger.error("worker failed:\n%s", message)
