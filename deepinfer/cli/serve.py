@@ -89,4 +89,6 @@ def _run(args) -> int:
         asyncio.run(run_server(engine_config, config, on_ready=on_ready))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None
+    except KeyboardInterrupt:  # Ctrl-C is the normal way to stop a server
+        pass
     return 0

@@ -137,9 +137,10 @@ class EngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
+            self._num_requests_sent += 1  # before the await: a concurrent 429 check sees it
+            logger.debug("add %s", request_id)
             await self._send(AddRequest(request_id, list(prompt_token_ids), params,
                                         arrival_time or time.monotonic()))
-            self._num_requests_sent += 1
             while not finished:
                 item = await queue.get()
                 if isinstance(item, _RequestFailed):
@@ -150,6 +151,7 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.is_healthy:
+                logger.debug("abort %s", request_id)
                 await self.abort([request_id])
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -1,0 +1,90 @@
+"""A real `deepinfer serve` process on 127.0.0.1 for integration tests, and /metrics helpers."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`deepinfer serve ARGS --port <free>`; `wait_ready()` blocks until /health is 200."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = Path(sys.executable).with_name("deepinfer")
+        command = ([str(script)] if script.exists()
+                   else [sys.executable, "-m", "deepinfer.cli.main"])
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-serve-", suffix=".log")
+        self.proc = subprocess.Popen(
+            command + ["serve", "--port", str(self.port), *args], stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"deepinfer serve exited ({self.proc.returncode}):\n"
+                                   f"{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"deepinfer serve not ready after {timeout_s} s:\n{self.output()}")
+
+    def stop(self) -> int:
+        """Ctrl-C, as a user would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Prometheus text → {'name{labels}': value} (sample lines only)."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str) -> float:
+    """Sum of every sample of `name` (over label sets)."""
+    return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name)
+
+
+def wait_for_metric(url: str, name: str, predicate, timeout_s: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric(scrape_metrics(url), name)
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
