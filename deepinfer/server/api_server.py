@@ -99,6 +99,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     async def on_api_error(_: Request, exc: APIError):
         return exc.to_response()
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error: %s", exc)
+        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                        type="internal_error").to_response()
+
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

@@ -58,6 +58,13 @@ class OutputDeltaTracker:
         if params.stop and not params.include_stop_str_in_output:
             self._holdback[request_id] = max(len(s) for s in params.stop) - 1
 
+    def resume(self, request_id: str, num_tokens: int, num_text_chars: int,
+               num_logprobs: int = 0, index: int = 0) -> None:
+        """Continue a stream another worker started: its first `num_tokens` tokens,
+        `num_text_chars` characters and `num_logprobs` logprobs were already sent."""
+        self._sent.setdefault(request_id, {})[index] = _SentChoice(
+            num_tokens=num_tokens, text_len=num_text_chars, num_logprobs=num_logprobs)
+
     def to_delta(self, output) -> RequestDelta:
         sent = self._sent.setdefault(output.request_id, {})
         holdback = self._holdback.get(output.request_id, 0)

@@ -67,3 +67,10 @@ def test_stream_cursor_sends_each_piece_once_and_the_final_chunk_once():
     last = cursor.advance(choice)
     assert (last.token_start, last.char_start, last.is_first) == (1, 1, False)
     assert cursor.advance(choice) is None and cursor.done
+
+
+def test_resume_continues_a_stream_started_elsewhere():
+    tracker = OutputDeltaTracker()
+    tracker.resume("r", num_tokens=1, num_text_chars=2)
+    delta = tracker.to_delta(output("He said", [10, 11, 12]))
+    assert (delta.choices[0].text, delta.choices[0].token_ids) == (" said", [11, 12])
