@@ -1,0 +1,54 @@
+"""Disaggregated serving with a Redis shared prefix store (the test starts its own
+redis-server): P=2 prefill + D=1 decode worker processes over TCP on 127.0.0.1."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.cluster.cluster_config import ClusterConfig
+from deepinfer.sampling_params import SamplingParams
+from tests.integration.disagg_harness import ClusterHarness
+from tests.integration.prompt_corpus import _corpus_from, distinct_prompts
+from tests.integration.redis_server import running_redis_server
+from tests.integration.test_disagg_cluster import BLOCK, GREEDY, reference, run_alone_on
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_redis_server() as url:
+        harness = ClusterHarness(ClusterConfig(
+            num_prefill_workers=2, num_decode_workers=1, kv_store_url=url,
+            heartbeat_timeout_s=4.0, transfer_timeout_s=15.0, stall_timeout_s=60.0))
+        yield harness
+        harness.close()
+
+
+def test_p1_d1_path_greedy_outputs_equal_colocated_engine(cluster, engine_base_llm):
+    """Every request through prefill-0 and decode-0 only: the P=1/D=1 path."""
+    encode = cluster.client.tokenizer.encode
+    prompts = distinct_prompts(encode)[1:6]
+    results = run_alone_on(cluster, "prefill-0", {f"p1-{i}": p for i, p in enumerate(prompts)})
+    for i, want in enumerate(reference(engine_base_llm, prompts, GREEDY)):
+        got = results[f"p1-{i}"]
+        assert got["error"] is None and got["tokens"] == want, (i, got, want)
+        assert cluster.client.placements[f"p1-{i}"] == ["prefill-0", "decode-0"]
+
+
+def test_prefix_from_worker_a_is_a_shared_tier_hit_on_worker_b_redis(cluster):
+    encode = cluster.client.tokenizer.encode
+    prompt = encode(_corpus_from(4))[9:9 + 4 * BLOCK + 2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = run_alone_on(cluster, "prefill-0", {"r-a": prompt}, params)["r-a"]
+    cluster.wait_for(lambda: cluster.counters("prefill-0").store_bytes_written > 0,
+                     what="write-through of prefill-0")
+    import time
+    time.sleep(0.5)  # the writer thread finishes the last puts
+    before = cluster.counters("prefill-1")
+    second = run_alone_on(cluster, "prefill-1", {"r-b": prompt}, params)["r-b"]
+    cluster.wait_for(lambda: cluster.counters("prefill-1").prefix_query_tokens
+                     > before.prefix_query_tokens, what="prefill-1 report")
+    after = cluster.counters("prefill-1")
+    assert after.store_hit_tokens - before.store_hit_tokens == 4 * BLOCK
+    assert after.device_hit_tokens == before.device_hit_tokens
+    assert second["error"] is None and second["tokens"] == first["tokens"]
