@@ -1,7 +1,7 @@
 """Measure real step times over a grid of batch shapes and fit the cost model to them.
 
-`StepProfiler` runs synthetic `SchedulerOutput`s (random token ids, distinct KV blocks filled
-with random values) through the real `ModelRunner.execute` and keeps the median of a few
+`StepProfiler` runs synthetic `SchedulerOutput`s (random token ids, distinct KV blocks, written
+before they are read) through the real `ModelRunner.execute` and keeps the median of a few
 repeats per batch, the repeats taken in rounds over the grid. `profile_cost_model` fits `CostModel` on a seeded share of the grid and
 reports its error on the held-out rest; the coefficients written are those that were evaluated.
 
@@ -17,7 +17,7 @@ import platform
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -137,34 +137,38 @@ class StepProfiler:
         return [StepSample(chunks, statistics.median(t)) for chunks, t in zip(batches, times)]
 
     def _make_output(self, chunks: tuple[ChunkShape, ...], tag: str) -> SchedulerOutput:
+        """Each batch's requests get distinct blocks from block 0 up (wrapping only if the
+        batch is larger than the cache), so the fill is bounded by the largest batch."""
         scheduled = []
+        self._next_block = 0
         for i, c in enumerate(chunks):
             num_blocks = -(-(c.context_len + c.num_new_tokens) // self.block_size)
             scheduled.append(ScheduledRequest(
                 request_id=f"profile-{tag}-{i}",
                 token_ids=[self._rng.randrange(self.vocab_size) for _ in range(c.num_new_tokens)],
-                num_computed_tokens=c.context_len, block_ids=list(self._take_blocks(num_blocks)),
+                num_computed_tokens=c.context_len, block_ids=self._take_blocks(num_blocks),
                 sample=True, sampling_params=self._params, num_output_tokens=0))
         return SchedulerOutput(scheduled, sum(c.num_new_tokens for c in chunks))
 
-    def _take_blocks(self, n: int) -> Iterator[int]:
-        """Distinct blocks round-robin over the cache (cache-cold like a real batch), filled
-        with random values the first time so no read hits untouched zero pages."""
+    def _take_blocks(self, n: int) -> list[int]:
         if n > self.num_blocks:
             raise ValueError(f"a request needs {n} blocks; the cache has {self.num_blocks}")
-        for _ in range(n):
-            block = self._next_block
-            self._next_block = (self._next_block + 1) % self.num_blocks
-            if self._filled_blocks <= block:
-                self._fill(block, min(self.num_blocks, block + 256))
-            yield block
+        block_ids = [(self._next_block + j) % self.num_blocks for j in range(n)]
+        self._next_block = (self._next_block + n) % self.num_blocks
+        end = max(block_ids) + 1
+        if end > self._filled_blocks:
+            self._fill(self._filled_blocks, end)
+        return block_ids
 
     def _fill(self, lo: int, hi: int) -> None:
+        """Write blocks [lo, hi) once, so no read hits untouched (zero-page) memory. Attention
+        and matmul speed does not depend on the values, so a constant is written (memory speed;
+        random values would cost seconds per GB)."""
         cache = self.runner.cache
-        block_ids = list(range(lo, hi))
-        with torch.no_grad():
-            cache.write_blocks(block_ids, torch.randn_like(cache.read_blocks(block_ids)) * 0.5)
-        self._filled_blocks = hi
+        for start in range(lo, hi, 256):
+            block_ids = list(range(start, min(hi, start + 256)))
+            cache.write_blocks(block_ids, cache.read_blocks(block_ids).fill_(0.01))
+        self._filled_blocks = max(self._filled_blocks, hi)
 
 
 def device_name(device: torch.device) -> str:
