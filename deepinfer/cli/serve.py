@@ -27,6 +27,8 @@ def register(sub) -> None:
     g.add_argument("--demo", action="store_true",
                    help="send one chat request with the openai client once ready, print it")
     g.add_argument("--demo-question", default=DEMO_QUESTION)
+    from deepinfer.cluster.cluster_args import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=_run)
 
 
@@ -86,7 +88,9 @@ def _run(args) -> int:
     else:
         on_ready = _announce
     try:
-        asyncio.run(run_server(engine_config, config, on_ready=on_ready))
+        from deepinfer.cluster.cluster_args import cluster_client_from_args
+        client = cluster_client_from_args(args, engine_config)
+        asyncio.run(run_server(engine_config, config, on_ready=on_ready, client=client))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None
     except KeyboardInterrupt:  # Ctrl-C is the normal way to stop a server

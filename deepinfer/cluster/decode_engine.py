@@ -24,7 +24,8 @@ class DisaggDecodeEngine(LLMEngine):
     def add_transferred_request(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams, arrival_time: float,
                                 first_token_id: int,
-                                first_logprob: TokenLogprobs | None) -> list[int] | None:
+                                first_logprob: TokenLogprobs | None,
+                                num_cached_tokens: int = 0) -> list[int] | None:
         """Allocate blocks for the prompt KV of a prefilled request; None when the cache has
         no room now (nothing is recorded; retry later). Raises ValueError for bad input."""
         if params.n != 1:
@@ -52,7 +53,7 @@ class DisaggDecodeEngine(LLMEngine):
             output.logprobs.append(first_logprob)
             output.cumulative_logprob += first_logprob.logprob
         state.sequences[request_id] = SequenceState(0, detok, output)
-        state.num_cached_tokens = len(prompt_token_ids)
+        state.num_cached_tokens = num_cached_tokens  # the prefill worker's prefix hit
         self._states[request_id] = state
         self._child_parent[request_id] = request_id
         return block_ids

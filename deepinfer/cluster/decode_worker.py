@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from deepinfer.cluster.kv_transport import KVTransport
 from deepinfer.cluster.messages import AbortRequests, DecodeRequest
 from deepinfer.cluster.worker_loop import WorkerLoop
-from deepinfer.server.engine_proc import _SentChoice
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class DecodeWorkerLoop(WorkerLoop):
             try:
                 block_ids = self.engine.add_transferred_request(
                     m.request_id, m.prompt_token_ids, m.sampling_params, m.arrival_time,
-                    m.first_token_id, m.first_logprob)
+                    m.first_token_id, m.first_logprob, m.num_cached_tokens)
             except ValueError as exc:
                 self._waiting_alloc.popleft()
                 self._fail(request_id, str(exc), free=False)
@@ -115,9 +114,8 @@ class DecodeWorkerLoop(WorkerLoop):
             m = entry.message
             self.tracker.add_request(m.request_id, m.sampling_params)
             # The first token was streamed by the prefill worker: continue after it.
-            self.tracker._sent[m.request_id] = {0: _SentChoice(
-                num_tokens=1, text_len=m.num_text_chars_sent,
-                num_logprobs=1 if m.first_logprob is not None else 0)}
+            self.tracker.resume(m.request_id, num_tokens=1, num_text_chars=m.num_text_chars_sent,
+                                num_logprobs=1 if m.first_logprob is not None else 0)
             c = self.counters
             c.transfer_bytes += result.num_bytes
             c.num_transfers += 1

@@ -175,6 +175,11 @@ class DisaggClient:
         self._output.close(linger=0)
         self._ctx.term()
 
+    def register_metrics(self, registry) -> None:
+        """Expose per-worker metrics on the server's Prometheus registry."""
+        from deepinfer.cluster.cluster_metrics import ClusterCollector
+        registry.register(ClusterCollector(self))
+
     @property
     def is_healthy(self) -> bool:
         roles = {h.role for h in self.workers.values() if h.alive and h.ready is not None}
@@ -293,7 +298,7 @@ class DisaggClient:
             sampling_params=track.params, arrival_time=track.arrival_time,
             first_token_id=done.first_token_id, first_logprob=done.first_logprob,
             num_text_chars_sent=done.num_text_chars_sent, kv_source_addr=done.kv_addr,
-            num_kv_bytes=done.num_kv_bytes))
+            num_kv_bytes=done.num_kv_bytes, num_cached_tokens=done.num_cached_tokens))
 
     def _place(self, request_id: str, stage: int, worker_id: str) -> None:
         self.placements.setdefault(request_id, [None, None])[stage] = worker_id

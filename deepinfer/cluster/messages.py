@@ -44,6 +44,7 @@ class DecodeRequest(msgspec.Struct, tag=True):
     num_text_chars_sent: int
     kv_source_addr: str
     num_kv_bytes: int
+    num_cached_tokens: int = 0  # prefix hit on the prefill worker (for usage reporting)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -82,6 +83,7 @@ class PrefillDone(msgspec.Struct):
     num_text_chars_sent: int
     kv_addr: str
     num_kv_bytes: int
+    num_cached_tokens: int = 0
 
 
 class WorkerLoadReport(msgspec.Struct):

@@ -96,7 +96,8 @@ class PrefillWorkerLoop(WorkerLoop):
         self.emit_prefill_done(PrefillDone(
             request_id=request_id, first_token_id=choice.token_ids[0],
             first_logprob=first_logprob, num_text_chars_sent=len(delta.choices[0].text),
-            kv_addr=self.transport.address, num_kv_bytes=num_bytes))
+            kv_addr=self.transport.address, num_kv_bytes=num_bytes,
+            num_cached_tokens=int(output.num_cached_tokens or 0)))
 
     def update_counters(self) -> None:
         c = self.counters

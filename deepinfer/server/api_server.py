@@ -87,6 +87,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     """The app for an already started engine client."""
     served_names = [client.model_name]  # EngineConfig.served_model_name, else the model's
     metrics = ServerMetrics(served_names[0], lambda: client.stats)
+    if hasattr(client, "register_metrics"):  # per-worker metrics of a disaggregated cluster
+        client.register_metrics(metrics.registry)
     completion = OpenAIServingCompletion(client, metrics, served_names,
                                          config.max_waiting_requests)
     chat = OpenAIServingChat(client, metrics, served_names, config.max_waiting_requests)
@@ -148,12 +150,14 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-async def run_server(engine_config, config: ServerConfig, on_ready=None) -> None:
+async def run_server(engine_config, config: ServerConfig, on_ready=None, client=None) -> None:
     """Start the engine process, then serve HTTP until uvicorn exits (Ctrl-C / SIGTERM).
-    `on_ready(host, port)` (optional, sync) is called once the port accepts connections."""
+    `on_ready(host, port)` (optional, sync) is called once the port accepts connections.
+    `client`: an unstarted client with EngineClient's interface (e.g. the disaggregated
+    `cluster.disagg_client.DisaggClient`); default: one colocated engine process."""
     import uvicorn
 
-    client = EngineClient(engine_config, log_level=config.log_level)
+    client = client or EngineClient(engine_config, log_level=config.log_level)
     try:
         await client.start()
         app = build_app(client, config)

@@ -1,0 +1,52 @@
+"""`deepinfer serve` flags of disaggregated serving, and the client they select."""
+from __future__ import annotations
+
+import argparse
+
+from deepinfer.kvstore import STORE_URL_HELP
+from deepinfer.routing import (DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, DECODE_POLICIES,
+                               PREFILL_POLICIES)
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("disaggregated serving (both worker counts, or neither)")
+    g.add_argument("--prefill-workers", type=int, default=None,
+                   help="prefill worker processes (with --decode-workers: disaggregated)")
+    g.add_argument("--decode-workers", type=int, default=None, help="decode worker processes")
+    g.add_argument("--kv-store", default="fs",
+                   help=f"shared prefix store: {STORE_URL_HELP}, or none")
+    g.add_argument("--prefill-router", default=DEFAULT_PREFILL_POLICY,
+                   choices=sorted(PREFILL_POLICIES))
+    g.add_argument("--decode-router", default=DEFAULT_DECODE_POLICY,
+                   choices=sorted(DECODE_POLICIES))
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                   help="seconds a KV transfer (incl. decode allocation) may take")
+    g.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                   help="seconds of silence after which a worker is removed from routing")
+
+
+def cluster_client_from_args(args: argparse.Namespace, engine_config):
+    """A `DisaggClient` when worker counts are given, else None (colocated serving)."""
+    from deepinfer.cli.main import CLIError
+
+    if args.prefill_workers is None and args.decode_workers is None:
+        return None
+    if args.prefill_workers is None or args.decode_workers is None:
+        raise CLIError("--prefill-workers and --decode-workers go together")
+    from deepinfer.cluster.cluster_config import ClusterConfig
+    from deepinfer.cluster.disagg_client import DisaggClient
+
+    if args.kv_store == "memory":
+        raise CLIError("--kv-store memory is per process; workers need fs or redis (or none)")
+    try:
+        if args.kv_store not in (None, "none"):
+            from deepinfer.kvstore import open_store
+            open_store(args.kv_store, b"\0" * 16).close()  # validate the URL now
+        cluster = ClusterConfig(
+            num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
+            kv_store_url=args.kv_store, prefill_router=args.prefill_router,
+            decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return DisaggClient(engine_config, cluster)

@@ -1,0 +1,69 @@
+"""Prometheus collector for a disaggregated cluster: per-worker load and counters, router
+decisions, retries. Read from the front's latest worker reports at scrape time."""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "deepinfer:cluster_"
+
+_GAUGES = (
+    ("num_requests_running", "Running requests per worker.", lambda h: h.last_report.num_running_reqs),
+    ("num_requests_waiting", "Waiting requests per worker (incl. KV transfers).",
+     lambda h: h.last_report.num_waiting_reqs),
+    ("kv_blocks_used", "KV blocks in use per worker.", lambda h: h.last_report.num_kv_blocks_used),
+    ("kv_blocks_total", "KV blocks per worker.", lambda h: h.last_report.num_kv_blocks_total),
+    ("kv_tokens", "KV tokens of running requests per worker.", lambda h: h.last_report.kv_tokens),
+    ("kv_staged_bytes", "Prefill KV staged for decode, bytes.", lambda h: h.counters.staged_bytes),
+    ("worker_up", "1 while the worker is routable.", lambda h: int(h.alive)),
+)
+_COUNTERS = (
+    ("prefix_query_tokens", "Prompt tokens looked up.", lambda c: c.prefix_query_tokens),
+    ("prefix_hit_tokens_device", "Prompt tokens found in the device prefix cache.",
+     lambda c: c.device_hit_tokens),
+    ("prefix_hit_tokens_store", "Prompt tokens loaded from the shared prefix store.",
+     lambda c: c.store_hit_tokens),
+    ("store_read_bytes", "Bytes read from the shared store.", lambda c: c.store_bytes_read),
+    ("store_written_bytes", "Bytes written to the shared store.", lambda c: c.store_bytes_written),
+    ("store_corrupt_blocks", "Corrupt store blocks dropped.", lambda c: c.store_corrupt_blocks),
+    ("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode).",
+     lambda c: c.transfer_bytes),
+    ("kv_transfers", "KV transfers completed.", lambda c: c.num_transfers),
+    ("kv_transfer_failures", "KV transfers failed, timed out or expired.",
+     lambda c: c.num_transfer_failures),
+    ("kv_transfer_seconds", "Total KV transfer time (decode side).",
+     lambda c: c.transfer_seconds_total),
+)
+
+
+class ClusterCollector:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def collect(self):
+        labels = ["worker_id", "role"]
+        handles = [h for h in self.client.workers.values() if h.last_report is not None]
+        for name, doc, get in _GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for h in handles:
+                family.add_metric([h.worker_id, h.role], get(h))
+            yield family
+        for name, doc, get in _COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for h in handles:
+                family.add_metric([h.worker_id, h.role], get(h.counters))
+            yield family
+        routed = CounterMetricFamily(PREFIX + "router_decisions", "Requests routed per worker.",
+                                     labels=["worker_id", "role", "policy"])
+        for role, router in (("prefill", self.client.prefill_router),
+                             ("decode", self.client.decode_router)):
+            for worker_id, count in sorted(router.num_routed.items()):
+                routed.add_metric([worker_id, role, router.name], count)
+        yield routed
+        for name, doc, value in (
+                ("request_retries", "Requests retried after losing a worker.",
+                 self.client.num_retried),
+                ("request_worker_loss_failures", "Requests failed because a worker was lost.",
+                 self.client.num_failed_by_worker_loss)):
+            family = CounterMetricFamily(PREFIX + name, doc)
+            family.add_metric([], value)
+            yield family
