@@ -26,6 +26,10 @@ from deepinfer.models.model_config import ModelConfig
 from deepinfer.models.weight_mapping import load_hf_named_weights
 
 
+# Per row, how many of the largest low-precision logits compute_logits recomputes in fp32.
+NUM_EXACT_LOGITS = 8
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
@@ -119,9 +123,22 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        """hidden [N, hidden] -> logits [N, vocab] in float32.
+
+        In bf16/fp16 the matmul accumulates in fp32 but rounds its output to the model dtype
+        (bf16 steps are 0.125 near a logit of 25), which turns close top tokens into exact
+        ties. The top `NUM_EXACT_LOGITS` of each row are therefore recomputed in fp32 from
+        the same weights: greedy picks and top probabilities are exact, the tail stays rounded.
+        """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()  # [N, vocab]
+        if hidden.dtype == torch.float32 or hidden.shape[0] == 0:
+            return logits
+        k = min(NUM_EXACT_LOGITS, logits.shape[-1])
+        top_ids = logits.topk(k, dim=-1).indices  # [N, k]
+        top_weights = weight.index_select(0, top_ids.flatten()).view(*top_ids.shape, -1).float()  # [N, k, hidden]
+        exact = torch.bmm(top_weights, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
+        return logits.scatter_(1, top_ids, exact)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, casting to the model dtype.

@@ -135,3 +135,19 @@ def test_hf_directory_tokenizer_and_generation_config_eos(tmp_path, saved_models
     tokenizer = source.load_tokenizer()
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     assert tokenizer("Hello world").input_ids == default_model_source.load_tokenizer()("Hello world").input_ids
+
+
+def test_bf16_logits_top_candidates_are_exact(saved_models):
+    """compute_logits recomputes the largest bf16 logits in fp32 (no rounding-made ties)."""
+    from deepinfer.models.llama import NUM_EXACT_LOGITS
+
+    model = load_model(resolve_model(saved_models["llama_tied"][1]), torch.bfloat16)
+    torch.manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16) * 3
+    exact = hidden.float() @ model.model.embed_tokens.weight.float().T  # [5, vocab]
+    logits = model.compute_logits(hidden)
+    top = exact.topk(NUM_EXACT_LOGITS // 2, dim=-1).indices
+    assert torch.allclose(logits.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=0)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rounded = torch.nn.functional.linear(hidden, model.model.embed_tokens.weight).float()
+    assert (rounded - exact).abs().max() > 1e-3  # the plain bf16 matmul really does round
