@@ -26,7 +26,7 @@ system-deps:
 	  else echo "warning: redis-server missing (apt-get install redis-server)"; fi; }
 
 run: install
-	$(BIN)/deepinfer generate "What is the capital of France? Answer in one sentence."
+	$(BIN)/deepinfer serve --demo
 
 test: install system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
