@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import platform
 import random
 import statistics
@@ -28,7 +29,7 @@ from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-GRID_VERSION = 1
+GRID_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,9 @@ class ProfileGrid:
 
 
 QUICK_GRID = ProfileGrid(
-    name="quick", prefill_tokens=(32, 128), prefill_contexts=(0, 768, 2048),
-    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 768, 2048),
-    mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=6, num_repeats=3, num_warmup=0)
+    name="quick", prefill_tokens=(32, 128), prefill_contexts=(0, 1536),
+    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 1536),
+    mixed_decodes=(8,), mixed_chunks=(64,), num_ragged=5, num_repeats=2, num_warmup=0)
 
 FULL_GRID = ProfileGrid(
     name="full", prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 512, 1536, 3072),
@@ -184,6 +185,7 @@ def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: Profile
     rest. The returned model carries `holdout_error` and metadata (device, threads, grid...)."""
     profiler = StepProfiler(runner, vocab_size, seed=grid.seed)
     batches = grid.batches(profiler.max_tokens_per_request)
+    load_at_start = os.getloadavg()[0]  # other processes skew CPU timings: record it
     samples = profiler.run(batches, grid.num_repeats, grid.num_warmup, progress)
     order = list(range(len(samples)))
     random.Random(grid.seed + 1).shuffle(order)
@@ -192,6 +194,7 @@ def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: Profile
     train = [samples[i] for i in order[num_holdout:]]
     meta = {
         "device": device_name(runner.device),
+        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
