@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {engine.model_name} ({args.dtype}) on {model.metadata['device']}, "
           f"{model.metadata['threads']} threads, grid {grid.name}: "
           f"{model.metadata['num_train_steps']} fit + {err.num_samples} held-out steps "
-          f"in {time.monotonic() - start:.0f} s (load average {model.metadata['load_average_at_start']:.1f}"
-          f" -> {model.metadata['load_average_at_end']:.1f})")
+          f"in {time.monotonic() - start:.0f} s (load average "
+          f"{model.metadata['load_average_at_start']:.1f} -> "
+          f"{model.metadata['load_average_at_end']:.1f})")
     for name, value in model.coefficients.items():
         print(f"  {name:20s} {value:.4g} s/unit")
     meta = model.metadata

@@ -2,8 +2,9 @@
 
 `StepProfiler` runs synthetic `SchedulerOutput`s (random token ids, distinct KV blocks, written
 before they are read) through the real `ModelRunner.execute` and keeps the median of a few
-repeats per batch, the repeats taken in rounds over the grid. `profile_cost_model` fits `CostModel` on a seeded share of the grid and
-reports its error on the held-out rest; the coefficients written are those that were evaluated.
+repeats per batch, the repeats taken in rounds over the grid. `profile_cost_model` fits
+`CostModel` on a seeded share of the grid and reports its error on the held-out rest; the
+coefficients written are those that were evaluated.
 
 Two grids: `QUICK_GRID` (seconds; start-up profiling, cached per model shape, dtype, device and
 threads under ~/.cache/deepinfer/profiles) and `FULL_GRID` (`deepinfer profile`).
