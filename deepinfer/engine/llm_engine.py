@@ -16,6 +16,7 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_state import RequestState, SequenceState
+from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
 from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache, parse_memory
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
@@ -42,7 +43,11 @@ class LLMEngine:
         self.model_config = self.source.config
         self.model_name = config.served_model_name or self.source.name
         self.tokenizer = tokenizer or self.source.load_tokenizer()
-        self.model = model or load_model(self.source, self.dtype, self.device)
+        if model is None:
+            model = load_model(self.source, self.dtype, self.device)
+            if self.device.type == "cpu":
+                logger.info("packed %d linear layers for oneDNN", pack_linear_weights(model))
+        self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         spec = KVCacheSpec.from_model_config(self.model_config, config.block_size, self.dtype)

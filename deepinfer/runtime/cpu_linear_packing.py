@@ -1,0 +1,73 @@
+"""Pre-packed oneDNN weights for bf16 linear layers on CPU.
+
+`F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its AMX/AVX-512 blocked
+layout on every call. Reordering once at load time removes that from every step; it matters
+most for decode-sized batches (measured on this 2-core Sapphire Rapids box, 64 tokens:
+gate_up 0.26 -> 0.17 ms, down 0.16 -> 0.11 ms; 2048 tokens: unchanged). Each packed layer is
+checked against F.linear once and left alone if the op is missing or disagrees.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+_PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; measured insensitive 16..2048
+
+
+def _ops_available() -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN."""
+
+    def __init__(self, linear: nn.Linear, packed_weight: Tensor) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.register_buffer("packed_weight", packed_weight, persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                  [None], "")
+
+
+def _try_pack(linear: nn.Linear) -> PackedLinear | None:
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight, _PACK_BATCH_HINT)
+        layer = PackedLinear(linear, packed)
+        probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
+        with torch.inference_mode():
+            ok = torch.allclose(layer(probe).float(), F.linear(probe, linear.weight, linear.bias).float(),
+                                rtol=2e-2, atol=2e-2)
+        return layer if ok else None
+    except (RuntimeError, TypeError, AttributeError) as e:
+        logger.debug("oneDNN weight packing unavailable: %s", e)
+        return None
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Replace the bf16 CPU nn.Linear layers of `model` in place; returns how many."""
+    if not _ops_available():
+        return 0
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+               and child.weight.dtype == torch.bfloat16]
+    num = 0
+    for parent, name, child in targets:
+        layer = _try_pack(child)
+        if layer is None:
+            return num  # same op for every layer: if one fails, keep the rest plain
+        setattr(parent, name, layer)
+        num += 1
+    return num
