@@ -6,6 +6,7 @@ import time
 import torch
 
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from deepinfer.runtime.cpu_decode_kernel import load_decode_kernel
 from deepinfer.runtime.kv_cache import PagedKVCache
 from deepinfer.runtime.paged_attention import (AttentionMetadata, DecodeMetadata, PagedAttention,
                                                PrefillChunkMetadata)
@@ -21,6 +22,8 @@ class ModelRunner:
         self.block_size = cache.spec.block_size
         self.num_heads = model.config.num_attention_heads
         self.sampler = Sampler(device, seed)
+        kernel = load_decode_kernel() if device.type == "cpu" else None
+        self.decode_kernel = kernel if kernel and kernel.supports(cache.spec.dtype, device) else None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -31,7 +34,7 @@ class ModelRunner:
         # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.
         ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)
         input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
-        attn = PagedAttention(self.cache, meta, self.num_heads)
+        attn = PagedAttention(self.cache, meta, self.num_heads, self.decode_kernel)
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         sampled: dict[str, int] = {}
         logprobs = {}
@@ -81,9 +84,10 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
         ctx = torch.arange(width * self.block_size, device=dev)
-        mask = ctx.unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, ctx]
+        context_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        mask = ctx.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, ctx]
         block_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
-        return DecodeMetadata(len(tables), block_ids, mask[:, None, None, :])
+        return DecodeMetadata(len(tables), block_ids, mask[:, None, None, :], context_lens)
 
     def _prefill_meta(self, r: ScheduledRequest, start: int) -> PrefillChunkMetadata:
         p0, x = r.num_computed_tokens, r.num_new_tokens

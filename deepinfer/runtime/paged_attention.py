@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from deepinfer.runtime.cpu_decode_kernel import DecodeKernel
 from deepinfer.runtime.kv_cache import PagedKVCache
 
 
@@ -23,6 +24,7 @@ class DecodeMetadata:
     num_tokens: int
     block_ids: Tensor  # [B * max_blocks] long, row-major block tables (padding: block 0, masked)
     attn_mask: Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    context_lens: Tensor  # [B] long, tokens each decode attends to (its new token included)
 
 
 @dataclass
@@ -44,10 +46,12 @@ class AttentionMetadata:
 class PagedAttention:
     """AttentionBackend for one step."""
 
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, num_heads: int) -> None:
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, num_heads: int,
+                 decode_kernel: DecodeKernel | None = None) -> None:
         self.cache = cache
         self.meta = metadata
         self.num_heads = num_heads
+        self.decode_kernel = decode_kernel
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer_idx)  # [blocks, bs, KV, d]
@@ -67,6 +71,12 @@ class PagedAttention:
         meta = self.meta.decode
         num = meta.num_tokens
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if self.decode_kernel is not None:
+            # Reads K/V through the block table: no gather copy.
+            out[:num] = self.decode_kernel(q[:num].contiguous(), k_cache, v_cache,
+                                           meta.block_ids.view(num, -1), meta.context_lens,
+                                           torch.get_num_threads())
+            return
         # Gather each request's blocks into one run: [B, ctx, KV, d] -> strided [B, KV, ctx, d]
         keys = k_cache.index_select(0, meta.block_ids).view(num, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, meta.block_ids).view(num, -1, num_kv_heads, head_dim)
