@@ -6,13 +6,14 @@ its KV cache. Its time is modelled as a non-negative combination of six features
     linear_flops         2 · active_params · Σ x              (projections, MLP / experts)
     attention_flops      4 · L · H · d · Σ x · (P + x/2)       (causal QK^T and PV)
     bytes_moved          weight_bytes + kv_bytes_per_token · Σ (P + x)
-    decode_padded_bytes  kv_bytes_per_token · num_decodes · max decode (P + 1)
+    decode_kv_bytes      kv_bytes_per_token · Σ over decodes of (P + 1)
     num_requests         number of requests in the step       (per-request overhead, LM head)
     step                 1                                     (launch / framework overhead)
 
-`decode_padded_bytes` is there because a batched decode kernel that pads every decode to the
-longest one (as our CPU path does) pays for the longest context once per decode; a fit gives it
-~0 where decodes are not padded. A decode is a request with x == 1.
+`decode_kv_bytes` is the extra cost of decode attention per KV byte: a decode reads its whole
+context for a single query (no reuse, its own kernel), while a prefill chunk amortises the read
+over x queries. Without it, held-out error on this CPU roughly triples (decode steps at long
+context are underpredicted). A decode is a request with x == 1.
 
 Coefficients are seconds per feature unit, fitted on measured steps (a *profile*) by
 non-negative least squares on relative error, so short decode steps count as much as long
@@ -30,7 +31,7 @@ import numpy as np
 from deepinfer.core.least_squares import nonnegative_least_squares
 from deepinfer.core.model_shape import ModelShape
 
-FEATURE_NAMES = ("linear_flops", "attention_flops", "bytes_moved", "decode_padded_bytes",
+FEATURE_NAMES = ("linear_flops", "attention_flops", "bytes_moved", "decode_kv_bytes",
                  "num_requests", "step")
 PROFILE_FORMAT = "deepinfer.cost_profile.v1"
 
@@ -85,7 +86,7 @@ class CostModel:
         self.s_per_token = coef["linear_flops"] * 2 * shape.active_params
         self.s_per_attn_pair = coef["attention_flops"] * shape.attention_flops_per_pair
         self.s_per_kv_token = coef["bytes_moved"] * shape.kv_bytes_per_token
-        self.s_per_padded_kv_token = coef["decode_padded_bytes"] * shape.kv_bytes_per_token
+        self.s_per_decode_kv_token = coef["decode_kv_bytes"] * shape.kv_bytes_per_token
         self.s_per_request = coef["num_requests"]
         self.s_per_step = coef["step"] + coef["bytes_moved"] * shape.weight_bytes
 
@@ -98,11 +99,11 @@ class CostModel:
         sum_x = sum(c.num_new_tokens for c in chunks)
         pairs = sum(c.num_new_tokens * (c.context_len + c.num_new_tokens / 2) for c in chunks)
         kv_tokens = sum(c.context_len + c.num_new_tokens for c in chunks)
-        decode_lens = [c.context_len + 1 for c in chunks if c.num_new_tokens == 1]
-        padded = len(decode_lens) * max(decode_lens, default=0)
+        decode_kv_tokens = sum(c.context_len + 1 for c in chunks if c.num_new_tokens == 1)
         kvb = float(s.kv_bytes_per_token)
         return np.array([2.0 * s.active_params * sum_x, float(s.attention_flops_per_pair) * pairs,
-                         s.weight_bytes + kvb * kv_tokens, kvb * padded, float(len(chunks)), 1.0])
+                         s.weight_bytes + kvb * kv_tokens, kvb * decode_kv_tokens,
+                         float(len(chunks)), 1.0])
 
     def predict(self, chunks: Sequence[ChunkShape]) -> float:
         """Predicted seconds for a step running `chunks` (0.0 for an empty step)."""
@@ -169,8 +170,6 @@ class StepCostEstimate:
 
     model: CostModel
     num_requests: int = 0
-    num_decodes: int = 0
-    max_decode_len: int = 0  # longest decode context (P + 1) so far
     predicted_time_s: float = field(default=0.0)
 
     def added_time_s(self, context_len: int, num_new_tokens: int) -> float:
@@ -180,10 +179,8 @@ class StepCostEstimate:
         a, b, c = self._quadratic(context_len)
         x = float(num_new_tokens)
         added = (a * x + b) * x + c
-        if num_new_tokens == 1:  # decode: the padded batch grows by one row, maybe wider
-            n, width = self.num_decodes, self.max_decode_len
-            added += self.model.s_per_padded_kv_token * (
-                (n + 1) * max(width, context_len + 1) - n * width)
+        if num_new_tokens == 1:  # decode attention reads the whole context for one query
+            added += self.model.s_per_decode_kv_token * (context_len + 1)
         return added
 
     def add(self, context_len: int, num_new_tokens: int) -> None:
@@ -191,9 +188,6 @@ class StepCostEstimate:
             return
         self.predicted_time_s += self.added_time_s(context_len, num_new_tokens)
         self.num_requests += 1
-        if num_new_tokens == 1:
-            self.num_decodes += 1
-            self.max_decode_len = max(self.max_decode_len, context_len + 1)
 
     def max_new_tokens_within(self, context_len: int, max_tokens: int, time_left_s: float
                               ) -> int:

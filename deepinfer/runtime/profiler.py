@@ -30,7 +30,7 @@ from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-GRID_VERSION = 2
+GRID_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ class ProfileGrid:
 
 
 QUICK_GRID = ProfileGrid(
-    name="quick", prefill_tokens=(32, 128), prefill_contexts=(0, 1536),
-    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 1536),
-    mixed_decodes=(8,), mixed_chunks=(64,), num_ragged=5, num_repeats=2, num_warmup=0)
+    name="quick", prefill_tokens=(32, 128, 256), prefill_contexts=(0, 1024, 2048),
+    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 1024, 2048),
+    mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=10, num_repeats=2, num_warmup=0)
 
 FULL_GRID = ProfileGrid(
     name="full", prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 512, 1536, 3072),

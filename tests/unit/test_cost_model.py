@@ -20,7 +20,7 @@ SMOL_CONFIG = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attenti
                               vocab_size=49152, tie_word_embeddings=True)
 SHAPE = ModelShape.from_model_config(SMOL_CONFIG, dtype_bytes=2)
 TRUE_COEF = {"linear_flops": 2e-11, "attention_flops": 6e-11, "bytes_moved": 1e-10,
-             "decode_padded_bytes": 4e-11, "num_requests": 3e-4, "step": 4e-3}
+             "decode_kv_bytes": 4e-11, "num_requests": 3e-4, "step": 4e-3}
 
 
 def random_batch(rng: np.random.Generator) -> tuple[ChunkShape, ...]:
@@ -82,17 +82,15 @@ def test_attention_term_is_quadratic_in_chunk_size():
     assert model.predict([ChunkShape(1000, 100)]) == pytest.approx(one * 100 * 1050 / (100 * 50))
 
 
-def test_padded_decode_bytes_follow_the_longest_decode():
-    model = CostModel(SHAPE, {"decode_padded_bytes": 1e-10})
-    ragged = [ChunkShape(63, 1)] * 7 + [ChunkShape(2559, 1)]
-    assert model.predict(ragged) == pytest.approx(model.predict([ChunkShape(2559, 1)] * 8))
-    # Prefill chunks are not padded decodes.
-    assert model.predict([ChunkShape(2559, 2)]) == 0.0
-    # Order of arrival does not matter to the incremental estimate.
+def test_decode_kv_bytes_charge_decodes_only():
+    model = CostModel(SHAPE, {"decode_kv_bytes": 1e-10})
+    decodes = [ChunkShape(63, 1)] * 7 + [ChunkShape(2559, 1)]
+    expected = 1e-10 * SHAPE.kv_bytes_per_token * (7 * 64 + 2560)
+    assert model.predict(decodes) == pytest.approx(expected)
+    assert model.predict([ChunkShape(2559, 2)]) == 0.0  # a prefill chunk is not a decode
     estimate = model.new_estimate()
-    for c in reversed(ragged):
-        estimate.add(c.context_len, c.num_new_tokens)
-    assert estimate.predicted_time_s == pytest.approx(model.predict(ragged))
+    assert estimate.added_time_s(2559, 1) == pytest.approx(1e-10 * SHAPE.kv_bytes_per_token
+                                                          * 2560)
 
 
 def test_fit_recovers_synthetic_coefficients_exactly_without_noise():

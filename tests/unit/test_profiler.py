@@ -22,7 +22,7 @@ CONFIG = type("Cfg", (), dict(num_hidden_layers=4, hidden_size=64, num_attention
                               vocab_size=1000, tie_word_embeddings=True))()
 SHAPE = ModelShape.from_model_config(CONFIG, dtype_bytes=2)
 TRUTH = CostModel(SHAPE, {"linear_flops": 1e-9, "attention_flops": 3e-9, "bytes_moved": 2e-10,
-                          "decode_padded_bytes": 1e-9, "num_requests": 2e-4, "step": 3e-3})
+                          "decode_kv_bytes": 1e-9, "num_requests": 2e-4, "step": 3e-3})
 
 
 class FakeCache:
