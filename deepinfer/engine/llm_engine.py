@@ -16,6 +16,7 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_state import RequestState, SequenceState
+from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
 from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache, parse_memory
 from deepinfer.runtime.model_runner import ModelRunner
@@ -46,7 +47,8 @@ class LLMEngine:
         if model is None:
             model = load_model(self.source, self.dtype, self.device)
             if self.device.type == "cpu":
-                logger.info("packed %d linear layers for oneDNN", pack_linear_weights(model))
+                logger.info("packed %d linear layers for oneDNN; fused kernels in %d modules",
+                            pack_linear_weights(model), install_elementwise_kernels(model))
         self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)

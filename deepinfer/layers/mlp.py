@@ -19,7 +19,11 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = uninitialized(nn.Linear, hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = uninitialized(nn.Linear, intermediate_size, hidden_size, bias=False, dtype=dtype)
 
+    cpu_kernels = None  # set by runtime.cpu_elementwise_kernels on bf16 CPU models
+
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.cpu_kernels is not None and self.cpu_kernels.applies(gate_up):
+            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.cpu_kernels = None  # set by runtime.cpu_elementwise_kernels on bf16 CPU models
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.cpu_kernels is not None and self.cpu_kernels.applies(x):
+            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -37,3 +37,24 @@ def test_kernel_matches_gather_and_sdpa(dtype, tol, num_kv_heads, group):
     want = _reference(q, k_cache, v_cache, tables, lens)
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 63, 64, 300])
+def test_fused_elementwise_kernels_match_torch(num_tokens):
+    from deepinfer.runtime.cpu_elementwise_kernels import ElementwiseKernels
+    from deepinfer.runtime.cpu_kernel_build import load_kernel_library
+
+    lib = load_kernel_library("fused_elementwise")
+    assert lib is not None, "the C compiler is part of the supported setup; the build failed"
+    kernels = ElementwiseKernels(lib)
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 576, generator=gen).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    got = kernels.rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)
+    gate_up = torch.randn(num_tokens, 2 * 1536, generator=gen).bfloat16()
+    gate, up = gate_up.float().split(1536, dim=-1)
+    got = kernels.silu_and_mul(gate_up)
+    assert torch.allclose(got.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
