@@ -13,8 +13,15 @@ The scheduler fills a step with running decodes first, then prefill chunks, aski
 * the first prefill chunk of a step gets at least `min_chunk_tokens` (or the rest of its prompt)
   even when the decodes already used the budget, so every request progresses: no starvation.
   Only then can a step's prediction exceed the budget: by decodes plus one minimum chunk.
+
+The policy also calibrates itself online: `observe_step(predicted, measured)` (the scheduler
+calls it after every step) keeps a slowly moving scale = measured / predicted, so when the
+device runs slower or faster than when it was profiled (other processes, clocks, memory
+bandwidth) chunks shrink or grow to keep the *measured* step time at the budget.
 """
 from __future__ import annotations
+
+import math
 
 from deepinfer.core.cost_model import CostModel, StepCostEstimate
 
@@ -23,9 +30,12 @@ class ComputeAwareBudget:
     """One step's budget; see the module docstring for the rules."""
 
     def __init__(self, estimate: StepCostEstimate, step_time_budget_s: float, block_size: int,
-                 min_chunk_tokens: int, max_num_batched_tokens: int | None) -> None:
+                 min_chunk_tokens: int, max_num_batched_tokens: int | None,
+                 time_scale: float = 1.0) -> None:
         self._estimate = estimate
+        self.time_scale = time_scale  # measured / model-predicted, from online calibration
         self.step_time_budget_s = step_time_budget_s
+        self._model_budget_s = step_time_budget_s / time_scale  # in the cost model's seconds
         self.block_size = block_size
         self.min_chunk_tokens = min_chunk_tokens
         self.remaining_tokens = max_num_batched_tokens  # None: no token cap
@@ -33,7 +43,7 @@ class ComputeAwareBudget:
 
     @property
     def predicted_time_s(self) -> float:
-        return self._estimate.predicted_time_s
+        return self._estimate.predicted_time_s * self.time_scale
 
     def fit_chunk(self, context_len: int, num_tokens: int) -> int:
         if num_tokens <= 0:
@@ -43,7 +53,7 @@ class ComputeAwareBudget:
         cap = num_tokens
         if self.remaining_tokens is not None:
             cap = min(cap, max(0, self.remaining_tokens))
-        time_left = self.step_time_budget_s - self._estimate.predicted_time_s
+        time_left = self._model_budget_s - self._estimate.predicted_time_s
         x = self._estimate.max_new_tokens_within(context_len, cap, time_left)
         x = self._align_end(context_len, x, num_tokens)
         if self.num_prefill_chunks == 0 and cap > 0:
@@ -72,9 +82,13 @@ class ComputeAwarePolicy:
     """Makes a `ComputeAwareBudget` per step from one cost model and one time target."""
 
     name = "compute-aware"
+    CALIBRATION_RATE = 0.05  # weight of one step in the running log-scale (~20-step memory)
+    MAX_SCALE_STEP = 2.0  # one step moves the scale by at most this factor^rate (outliers)
+    SCALE_LIMITS = (0.25, 4.0)
 
     def __init__(self, cost_model: CostModel, step_time_budget_s: float, *, block_size: int = 16,
-                 min_chunk_tokens: int = 32, max_num_batched_tokens: int | None = None) -> None:
+                 min_chunk_tokens: int = 32, max_num_batched_tokens: int | None = None,
+                 calibrate: bool = True) -> None:
         if not step_time_budget_s > 0:
             raise ValueError(f"step_time_budget_s must be positive, got {step_time_budget_s}")
         if block_size < 1:
@@ -88,8 +102,19 @@ class ComputeAwarePolicy:
         self.block_size = block_size
         self.min_chunk_tokens = min_chunk_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.calibrate = calibrate
+        self.time_scale = 1.0
 
     def new_step(self) -> ComputeAwareBudget:
         return ComputeAwareBudget(self.cost_model.new_estimate(), self.step_time_budget_s,
                                   self.block_size, self.min_chunk_tokens,
-                                  self.max_num_batched_tokens)
+                                  self.max_num_batched_tokens, self.time_scale)
+
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        """Feed back one step: `predicted_s` as this policy's budget reported it (already
+        scaled), `measured_s` as the runner timed it. Moves `time_scale` towards their ratio."""
+        if not self.calibrate or not (predicted_s > 0 and measured_s > 0):
+            return
+        ratio = min(max(measured_s / predicted_s, 1 / self.MAX_SCALE_STEP), self.MAX_SCALE_STEP)
+        scale = self.time_scale * math.exp(self.CALIBRATION_RATE * math.log(ratio))
+        self.time_scale = min(max(scale, self.SCALE_LIMITS[0]), self.SCALE_LIMITS[1])

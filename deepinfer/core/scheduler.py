@@ -244,6 +244,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: StepResult) -> SchedulerUpdate:
         update = SchedulerUpdate(finished=self._finished_outside_update)
         self._finished_outside_update = []
+        if output.predicted_step_time_s is not None and result.step_time_s > 0:
+            self.budget_policy.observe_step(output.predicted_step_time_s, result.step_time_s)
         for sched in output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:

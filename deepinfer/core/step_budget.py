@@ -26,6 +26,9 @@ class StepBudgetPolicy(Protocol):
 
     def new_step(self) -> StepBudget: ...
 
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        """After a step with a prediction: the runner's measured time (for calibration)."""
+
 
 class TokenBudget:
     """The classic budget: at most `max_num_batched_tokens` new tokens per step."""
@@ -54,3 +57,6 @@ class TokenBudgetPolicy:
 
     def new_step(self) -> TokenBudget:
         return TokenBudget(self.max_num_batched_tokens)
+
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        pass  # nothing to calibrate

@@ -167,3 +167,35 @@ def test_small_kv_cache_preempts_and_still_finishes_everything():
                               lambda output: assert_step_within_budget(output, 0.3))
         preemptions += scheduler.num_preemptions
     assert preemptions > 0  # the workloads really exercised preemption
+
+
+def test_scheduler_feeds_measured_times_back_so_steps_fit_a_slower_device():
+    budget_s = 0.1
+    scheduler = make_scheduler(budget_s)
+
+    def run_steps(num_steps: int) -> list[tuple[SchedulerOutput, float]]:
+        steps = []
+        for _ in range(num_steps):
+            if not scheduler.has_unfinished_requests():
+                break
+            output = scheduler.schedule(0.0)
+            # The device is 1.4x slower than the cost model says.
+            true_time = 1.4 * MODEL.predict([ChunkShape(s.num_computed_tokens, s.num_new_tokens)
+                                             for s in output.scheduled])
+            scheduler.update(output, StepResult({s.request_id: 7 for s in output.scheduled
+                                                 if s.sample}, step_time_s=true_time))
+            steps.append((output, true_time))
+        return steps
+
+    scheduler.add_request(make_request("first", 3000, max_tokens=2, seed=8))
+    uncalibrated = run_steps(1)
+    assert uncalibrated[0][1] > budget_s * 1.3  # the first chunk overran by the whole factor
+    for i in range(6):
+        scheduler.add_request(make_request(f"chat{i}", 60, max_tokens=300, seed=i))
+    run_steps(80)  # decodes calibrate the policy
+    assert scheduler.budget_policy.time_scale == pytest.approx(1.4, rel=0.02)
+    scheduler.add_request(make_request("long", 3000, max_tokens=2, seed=9))
+    chunked = [t for out, t in run_steps(200)
+               if any(s.request_id == "long" and s.num_new_tokens > MIN_CHUNK
+                      for s in out.scheduled)]
+    assert len(chunked) >= 3 and max(chunked) <= budget_s * 1.02

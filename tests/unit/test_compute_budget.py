@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.core.compute_budget import ComputeAwarePolicy
-from deepinfer.core.cost_model import CostModel
+from deepinfer.core.cost_model import ChunkShape, CostModel
 from deepinfer.core.model_shape import ModelShape
 
 SHAPE = ModelShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
@@ -120,3 +120,31 @@ def test_step_stays_within_budget_unless_one_min_chunk_alone_exceeds(decode_cont
         assert len(prefill_sizes) <= 1 and all(x <= 32 for x in prefill_sizes)
     if prefills:
         assert granted and granted[0][0] == prefills[0][0]  # the first prefill progressed
+
+
+def test_online_calibration_scales_predictions_and_shrinks_chunks():
+    p = policy()
+    before = p.new_step().fit_chunk(0, 100_000)
+    for _ in range(200):  # the device runs 1.5x slower than profiled
+        budget = p.new_step()
+        budget.consume(0, 64)
+        p.observe_step(budget.predicted_time_s, 1.5 * budget.predicted_time_s / p.time_scale)
+    assert p.time_scale == pytest.approx(1.5, rel=0.01)
+    budget = p.new_step()
+    after = budget.fit_chunk(0, 100_000)
+    assert after < before
+    budget.consume(0, after)
+    raw = MODEL.predict([ChunkShape(0, after)])
+    # Reported in measured seconds.
+    assert budget.predicted_time_s == pytest.approx(p.time_scale * raw, rel=1e-9)
+    assert budget.predicted_time_s <= BUDGET_S
+
+
+def test_calibration_resists_outliers_and_can_be_disabled():
+    p = policy()
+    p.observe_step(0.1, 100.0)  # one 1000x outlier (a GC pause, a page fault storm)
+    assert p.time_scale < 1.05
+    off = policy(calibrate=False)
+    off.observe_step(0.1, 0.2)
+    off.observe_step(0.0, 0.2)  # nonsense input is ignored either way
+    assert off.time_scale == 1.0
