@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -163,23 +164,25 @@ def plot(results: list[dict], path: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (1: on a shared 2-core box, 2-thread OpenMP stalls "
+                        "whenever another process runs)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cost-profile", default=None,
                    help="profile JSON for compute-aware (default: the cached start-up profile)")
     p.add_argument("--token-budgets", type=lambda s: [int(v) for v in s.split(",")],
                    default=[128, 512, 2048])
     p.add_argument("--time-budgets-ms", type=lambda s: [float(v) for v in s.split(",")],
-                   default=[150.0, 300.0, 600.0])
+                   default=[100.0, 200.0, 400.0])
     p.add_argument("--compute-aware-token-cap", type=int, default=8192,
                    help="max_num_batched_tokens for compute-aware runs (memory cap only)")
-    p.add_argument("--num-chat", type=int, default=24)
+    p.add_argument("--num-chat", type=int, default=40)
     p.add_argument("--chat-output-min", type=int, default=24)
     p.add_argument("--chat-output-max", type=int, default=48)
     p.add_argument("--long-prompt-lens", type=lambda s: [int(v) for v in s.split(",")],
-                   default=[2048, 3072])
+                   default=[2048, 3072, 4096])
     p.add_argument("--long-output", type=int, default=8)
-    p.add_argument("--window-s", type=float, default=12.0, help="arrival window (seconds)")
+    p.add_argument("--window-s", type=float, default=20.0, help="arrival window (seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-json", default="compute_aware_sched.json")
     p.add_argument("--out-plot", default="compute_aware_sched.png")
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(source, getattr(torch, args.dtype))
     tokenizer = source.load_tokenizer()
     workload = make_workload(args, source.config.vocab_size)
+    load_at_start = os.getloadavg()[0]  # other processes skew CPU timings: record it
     print(f"workload: {sum(r.kind == 'chat' for r in workload)} chat + "
           f"{sum(r.kind == 'long' for r in workload)} long prompts "
           f"({args.long_prompt_lens}) over {args.window_s:g} s; {args.threads} threads",
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine
     print_table(results)
     report = {"benchmark": "compute_aware_sched", "args": vars(args),
+              "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
               "workload": [dict(asdict(r), prompt_token_ids=len(r.prompt_token_ids))
                            for r in workload],
               "results": results}
