@@ -114,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None  # logits use embed_tokens.weight
         else:
             self.lm_head = uninitialized(nn.Linear, config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        # An optional faster module computing hidden @ weight.T (runtime.cpu_linear_packing).
+        self.logits_linear: nn.Module | None = None
         self.requires_grad_(False)
 
     @torch.inference_mode()
@@ -131,7 +133,10 @@ class LlamaForCausalLM(nn.Module):
         the same weights: greedy picks and top probabilities are exact, the tail stays rounded.
         """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()  # [N, vocab]
+        if self.logits_linear is not None:
+            logits = self.logits_linear(hidden).float()  # [N, vocab]
+        else:
+            logits = F.linear(hidden, weight).float()  # [N, vocab]
         if hidden.dtype == torch.float32 or hidden.shape[0] == 0:
             return logits
         k = min(NUM_EXACT_LOGITS, logits.shape[-1])

@@ -70,4 +70,22 @@ def pack_linear_weights(model: nn.Module) -> int:
             return num  # same op for every layer: if one fails, keep the rest plain
         setattr(parent, name, layer)
         num += 1
-    return num
+    return num + _pack_tied_lm_head(model)
+
+
+def _pack_tied_lm_head(model: nn.Module) -> int:
+    """A tied LM head shares the embedding table, which must stay plain for lookups: pack a
+    copy for the logits matmul (64 decode rows x 49152 vocab: 4.4 -> 2.5 ms)."""
+    if not hasattr(model, "logits_linear") or getattr(model, "lm_head", None) is not None:
+        return 0
+    embed = model.model.embed_tokens.weight
+    if embed.device.type != "cpu" or embed.dtype != torch.bfloat16:
+        return 0
+    vocab, hidden = embed.shape
+    linear = nn.Linear(hidden, vocab, bias=False, device="meta")
+    linear.weight = nn.Parameter(embed, requires_grad=False)
+    layer = _try_pack(linear)
+    if layer is None:
+        return 0
+    model.logits_linear = layer
+    return 1

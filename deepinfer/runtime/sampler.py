@@ -29,7 +29,9 @@ class Sampler:
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         rand = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if greedy:
+        if len(greedy) == len(requests):
+            tokens = logits.argmax(dim=-1)  # all greedy: no row gather (a full logits copy)
+        elif greedy:
             idx = torch.tensor(greedy, device=logits.device)
             tokens[idx] = logits[idx].argmax(dim=-1)
         if rand:

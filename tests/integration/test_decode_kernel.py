@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.runtime.cpu_decode_kernel import load_decode_kernel
+from deepinfer.runtime.cpu_decode_kernel import DecodeKernel
+from deepinfer.runtime.cpu_kernel_build import load_kernel_library
 
 
 def _reference(q, k_cache, v_cache, tables, lens):
@@ -23,8 +24,9 @@ def _reference(q, k_cache, v_cache, tables, lens):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (1, 8)])
 def test_kernel_matches_gather_and_sdpa(dtype, tol, num_kv_heads, group):
-    kernel = load_decode_kernel()
-    assert kernel is not None, "the C compiler is part of the supported setup; the build failed"
+    lib = load_kernel_library("paged_decode_attention")
+    assert lib is not None, "the C compiler is part of the supported setup; the build failed"
+    kernel = DecodeKernel(lib)
     gen = torch.Generator().manual_seed(num_kv_heads * 10 + group)
     num, head_dim, block_size, num_blocks, width = 7, 64, 16, 50, 6
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -42,7 +44,6 @@ def test_kernel_matches_gather_and_sdpa(dtype, tol, num_kv_heads, group):
 @pytest.mark.parametrize("num_tokens", [1, 63, 64, 300])
 def test_fused_elementwise_kernels_match_torch(num_tokens):
     from deepinfer.runtime.cpu_elementwise_kernels import ElementwiseKernels
-    from deepinfer.runtime.cpu_kernel_build import load_kernel_library
 
     lib = load_kernel_library("fused_elementwise")
     assert lib is not None, "the C compiler is part of the supported setup; the build failed"
