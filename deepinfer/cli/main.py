@@ -7,11 +7,9 @@ import importlib
 import logging
 import sys
 
+from deepinfer.cli.errors import CLIError
+
 SUBCOMMANDS = ("generate", "serve", "bench", "profile")
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
