@@ -401,6 +401,9 @@ class DisaggClient:
                 except EngineDeadError as exc:
                     reason = f"{reason}; retry impossible: {exc}"
             self.num_failed_by_worker_loss += 1
+            if track.prefill_worker not in (None, worker_id):
+                # Its KV may still be staged there, waiting for a pull that will never come.
+                await self._send(track.prefill_worker, AbortRequests([request_id]))
             self._fail(track, f"{handle.role} worker {worker_id} was lost ({reason}) after "
                               f"{track.num_tokens_streamed} streamed tokens")
         handle.request_ids.clear()

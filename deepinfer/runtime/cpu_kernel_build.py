@@ -19,7 +19,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+# -ffast-math only when compiling: linking with it would add crtfastmath.o, which turns on
+# flush-to-zero for the whole process at load time (hypothesis, for one, refuses to run then).
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def kernels_enabled() -> bool:
@@ -33,20 +36,25 @@ def _cache_dir() -> Path:
 
 def _build(source_path: Path, compiler: str) -> Path:
     source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, os.uname().machine]).encode())
+    key = hashlib.sha256(source + " ".join([compiler, *_COMPILE_FLAGS, *_LINK_FLAGS,
+                                            os.uname().machine]).encode())
     target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *_COMPILE_FLAGS, "-c", str(source_path), "-o", obj],
+                       check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *_LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

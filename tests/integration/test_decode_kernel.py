@@ -59,3 +59,13 @@ def test_fused_elementwise_kernels_match_torch(num_tokens):
     gate, up = gate_up.float().split(1536, dim=-1)
     got = kernels.silu_and_mul(gate_up)
     assert torch.allclose(got.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
+
+
+def test_loading_the_kernels_keeps_ieee_subnormals():
+    """Linking with -ffast-math would switch the process to flush-to-zero at load time."""
+    import ctypes
+
+    for name in ("paged_decode_attention", "fused_elementwise"):
+        assert load_kernel_library(name) is not None
+    tiny = ctypes.c_double(2.2250738585072014e-308)  # smallest normal double
+    assert tiny.value / 2 != 0.0, "subnormals are flushed to zero after loading the kernels"
