@@ -24,7 +24,11 @@ from deepinfer.cluster.disagg_client import DisaggClient
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.sampling_params import SamplingParams
 
-TRACE = "/work/shared/traces/mooncake/conversation_trace.jsonl"
+from pathlib import Path
+
+# The public traces live in ../shared beside the checkout (see its README).
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+            / "conversation_trace.jsonl")
 
 
 def workloads(num_prompts: int) -> dict:
