@@ -69,6 +69,8 @@ class LLMEngine:
         self._num_steps = 0
         self._last_step_time = 0.0
         self._last_predicted: float | None = None
+        self._prediction_abs_error_sum = 0.0
+        self._num_predicted_steps = 0
         logger.info("engine ready: %s %s on %s, %d KV blocks of %d tokens", self.model_name,
                     config.dtype, self.device, num_blocks, config.block_size)
 
@@ -167,7 +169,10 @@ class LLMEngine:
         self._num_steps += 1
         self._last_step_time = result.step_time_s
         self._last_predicted = sched_out.predicted_step_time_s
-        if sched_out.predicted_step_time_s is not None:
+        if sched_out.predicted_step_time_s is not None and result.step_time_s > 0:
+            error = abs(sched_out.predicted_step_time_s - result.step_time_s) / result.step_time_s
+            self._prediction_abs_error_sum += error
+            self._num_predicted_steps += 1
             logger.debug("step %d: predicted %.2f ms, measured %.2f ms", self._num_steps,
                          sched_out.predicted_step_time_s * 1e3, result.step_time_s * 1e3)
         return self._process(update, result, time.monotonic())
@@ -226,4 +231,6 @@ class LLMEngine:
             num_kv_blocks_total=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps, step_time_s=self._last_step_time,
-            predicted_step_time_s=self._last_predicted)
+            predicted_step_time_s=self._last_predicted,
+            prediction_abs_error_sum=self._prediction_abs_error_sum,
+            num_predicted_steps=self._num_predicted_steps)

@@ -56,4 +56,7 @@ class EngineStats:
     num_steps: int = 0
     step_time_s: float = 0.0  # last step
     predicted_step_time_s: float | None = None  # last step, when the scheduler predicts
+    # Cost-model accuracy over the steps that had a prediction: sum of |pred - meas| / meas.
+    prediction_abs_error_sum: float = 0.0
+    num_predicted_steps: int = 0
     extra: dict = field(default_factory=dict)

@@ -119,7 +119,8 @@ def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
         num_kv_blocks_total=s.num_kv_blocks_total, prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
         step_time_s=s.step_time_s, predicted_step_time_s=s.predicted_step_time_s,
-        num_requests_received=num_requests_received)
+        prediction_abs_error_sum=s.prediction_abs_error_sum,
+        num_predicted_steps=s.num_predicted_steps, num_requests_received=num_requests_received)
 
 
 class EngineLoop:

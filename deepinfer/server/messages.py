@@ -105,6 +105,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     num_preemptions: int = 0
     step_time_s: float | None = None
     predicted_step_time_s: float | None = None
+    prediction_abs_error_sum: float = 0.0  # sum over predicted steps of |pred - meas| / meas
+    num_predicted_steps: int = 0
     num_requests_received: int = 0  # AddRequests consumed so far: lets the front size its queue
 
 

@@ -48,7 +48,13 @@ class EngineStatsCollector:
                  s.prefix_cache_queries),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  s.prefix_cache_hits),
-                ("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)):
+                ("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions),
+                # mean |predicted - measured| / measured step time = rate(sum) / rate(count)
+                ("step_time_prediction_abs_error_ratio_sum",
+                 "Cost-model error summed over predicted steps (|pred - meas| / meas).",
+                 s.prediction_abs_error_sum),
+                ("step_time_prediction_steps", "Steps with a cost-model prediction.",
+                 s.num_predicted_steps)):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels[0])
             counter.add_metric(labels[1], value)
             yield counter

@@ -63,3 +63,8 @@ def test_greedy_outputs_equal_token_budget(make_engine_llm, synthetic_profile):
     chunks = [(p, x) for step in steps for r, p, x in step if r == long_id and x > 1]
     assert len(chunks) >= 3 and sum(x for _, x in chunks) == 400
     assert chunks[-2][1] < chunks[0][1]
+    # Every compute-aware step carried a prediction, and the engine accounts its error.
+    stats = compute_aware.engine.get_stats()
+    assert stats.num_predicted_steps == len(steps) > 0
+    assert 0.0 < stats.prediction_abs_error_sum < float("inf")
+    assert token_budget.engine.get_stats().num_predicted_steps == 0

@@ -337,7 +337,9 @@ def test_metrics_cover_latency_tokens_and_finish_reasons(server, client, model):
         assert metric(samples, f"deepinfer:{name}_count") > 0, name
     for name in ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total"):
         assert metric(samples, f"deepinfer:{name}") > 0, name
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "step_time_prediction_abs_error_ratio_sum_total",
+                 "step_time_prediction_steps_total"):
         assert f"deepinfer:{name}" in {k.split("{")[0] for k in samples}
     reasons = {k for k in samples if k.startswith("deepinfer:request_success_total")}
     assert any('finished_reason="length"' in k for k in reasons)
