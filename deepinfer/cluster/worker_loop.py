@@ -21,6 +21,7 @@ from deepinfer.cluster.messages import (AbortRequests, PrefillDone, ShutdownWork
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.server.engine_proc import OutputDeltaTracker
 from deepinfer.server.messages import RequestDelta, RequestError
+from deepinfer.server.zmq_inbox import drain_messages
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +92,17 @@ class WorkerLoop:
                 return
 
     def _drain_inputs(self, timeout_ms: int) -> bool:
-        if not self.input_socket.poll(timeout_ms):
-            return True
-        while True:
-            try:
-                frame = self.input_socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            message = self.decoder.decode(frame)
-            if isinstance(message, ShutdownWorker):
-                return False
-            self._dirty = True
-            if isinstance(message, AbortRequests):
-                self.engine.abort_request(message.request_ids)
-                self.tracker.forget(message.request_ids)
-            self.handle(message)
+        return drain_messages(self.input_socket, self.decoder.decode, timeout_ms, self._on_message)
+
+    def _on_message(self, message) -> bool:
+        if isinstance(message, ShutdownWorker):
+            return False
+        self._dirty = True
+        if isinstance(message, AbortRequests):
+            self.engine.abort_request(message.request_ids)
+            self.tracker.forget(message.request_ids)
+        self.handle(message)
+        return True
 
     # --- reports -----------------------------------------------------------------------------
     def emit_error(self, request_id: str, message: str) -> None:

@@ -26,6 +26,7 @@ from deepinfer.server.messages import (
     EngineStatsSnapshot, RequestDelta, RequestError, RequestTimes, Shutdown, make_encoder,
     make_front_decoder,
 )
+from deepinfer.server.zmq_inbox import drain_messages
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +158,13 @@ class EngineLoop:
 
     def _drain_inputs(self, timeout_ms: int) -> bool:
         """Handle every queued message; False when a Shutdown arrived."""
-        if not self.input_socket.poll(timeout_ms):
-            return True
-        while True:
-            try:
-                frame = self.input_socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            message = self.decoder.decode(frame)
-            if isinstance(message, Shutdown):
-                return False
-            self._handle(message)
+        return drain_messages(self.input_socket, self.decoder.decode, timeout_ms, self._on_message)
+
+    def _on_message(self, message) -> bool:
+        if isinstance(message, Shutdown):
+            return False
+        self._handle(message)
+        return True
 
     def _handle(self, message: AddRequest | AbortRequest) -> None:
         self._stats_dirty = True
