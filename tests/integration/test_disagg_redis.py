@@ -19,7 +19,7 @@ def cluster():
     with running_redis_server() as url:
         harness = ClusterHarness(ClusterConfig(
             num_prefill_workers=2, num_decode_workers=1, kv_store_url=url,
-            heartbeat_timeout_s=4.0, transfer_timeout_s=15.0, stall_timeout_s=60.0))
+            heartbeat_timeout_s=10.0, transfer_timeout_s=15.0, stall_timeout_s=60.0))
         yield harness
         harness.close()
 
