@@ -23,7 +23,7 @@ are routable.
 """
 from __future__ import annotations
 
-from deepinfer.routing.router_base import NoWorkerAvailable, Router, next_round_robin
+from deepinfer.routing.router_base import NoWorkerAvailable, Router, build_router, next_round_robin
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WorkerLoad
 
@@ -178,11 +178,4 @@ DEFAULT_DECODE_POLICY = BalancedDecodeRouter.name
 
 def build_decode_router(name: str = DEFAULT_DECODE_POLICY, **kwargs) -> DecodeRouter:
     """A decode router by policy name; options go to its constructor."""
-    cls = DECODE_POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown decode routing policy {name!r}; "
-                         f"choose one of {sorted(DECODE_POLICIES)}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"bad options for decode policy {name!r}: {exc}") from None
+    return build_router(DECODE_POLICIES, "decode", name, kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from deepinfer.routing.consistent_hash_ring import ConsistentHashRing
 from deepinfer.routing.prefill_cost import LinearQuadraticPrefillCost, PrefillCostFn
-from deepinfer.routing.router_base import Router, next_round_robin
+from deepinfer.routing.router_base import Router, build_router, next_round_robin
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WorkerLoad
 
@@ -145,11 +145,4 @@ DEFAULT_PREFILL_POLICY = LeastComputePrefillRouter.name
 
 def build_prefill_router(name: str = DEFAULT_PREFILL_POLICY, **kwargs) -> PrefillRouter:
     """A prefill router by policy name; options go to its constructor."""
-    cls = PREFILL_POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown prefill routing policy {name!r}; "
-                         f"choose one of {sorted(PREFILL_POLICIES)}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"bad options for prefill policy {name!r}: {exc}") from None
+    return build_router(PREFILL_POLICIES, "prefill", name, kwargs)

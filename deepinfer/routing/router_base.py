@@ -118,3 +118,16 @@ def next_round_robin(worker_ids: Sequence[str], last_id: str | None) -> str:
             if wid > last_id:
                 return wid
     return ordered[0]
+
+
+def build_router(policies: dict[str, type[Router]], role: str, name: str, kwargs: dict) -> Router:
+    """The `policies[name]` router built with `kwargs`; ValueError names the bad policy or
+    options (one message shape for prefill and decode)."""
+    cls = policies.get(name)
+    if cls is None:
+        raise ValueError(f"unknown {role} routing policy {name!r}; "
+                         f"choose one of {sorted(policies)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"bad options for {role} policy {name!r}: {exc}") from None
