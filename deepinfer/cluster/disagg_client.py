@@ -44,6 +44,7 @@ from deepinfer.server.engine_client import EngineDeadError, _RequestFailed
 from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
 
 logger = logging.getLogger(__name__)
+SEND_TIMEOUT_MS = 2000  # a worker's input socket that blocks this long is treated as lost
 
 HEALTH_CHECK_PERIOD_S = 0.1
 MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
@@ -98,6 +99,9 @@ class DisaggClient:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        # A PUSH socket whose worker died has no peer and would block a send forever, and
+        # with it the front's output loop (so every worker would look silent).
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         port = sock.bind_to_random_port(f"tcp://{c.host}")
         spec = WorkerSpec(
             worker_id=f"{role}-{index}", role=role, engine_config=self.engine_config,
@@ -255,8 +259,14 @@ class DisaggClient:
 
     async def _send(self, worker_id: str, message) -> None:
         handle = self.workers.get(worker_id)
-        if handle is not None and handle.alive:
+        if handle is None or not handle.alive:
+            return
+        try:
             await handle.input_socket.send(self._encoder.encode(message), copy=False)
+        except zmq.Again:
+            # Not awaited here: worker-loss handling sends to other workers and fails requests.
+            self._tasks.append(asyncio.get_running_loop().create_task(self._on_worker_dead(
+                worker_id, f"its input socket accepted nothing for {SEND_TIMEOUT_MS} ms")))
 
     def _loads(self, role: str):
         return [h.load for h in self.workers.values()
