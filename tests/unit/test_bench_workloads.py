@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -12,9 +11,8 @@ from deepinfer.bench.traces import (
     HashBlockTokens, ShrinkConfig, read_azure_csv, read_mooncake_jsonl, spread_ticks,
 )
 from deepinfer.bench.workloads import WorkloadConfig, build_workload, poisson_arrivals
+from tests.shared_traces import trace_path
 
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces")
-MOONCAKE = os.path.join(TRACES, "mooncake", "conversation_trace.jsonl")
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -159,9 +157,9 @@ def test_bad_inputs_raise_value_error(tmp_path):
         build_workload(WorkloadConfig(kind=f"trace:{tmp_path}/x.txt"))
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="shared traces not present")
 def test_real_mooncake_trace_every_request_shares_the_system_block():
-    cfg = WorkloadConfig(kind=f"trace:{MOONCAKE}", num_prompts=40,
+    mooncake = trace_path("mooncake", "conversation_trace.jsonl")
+    cfg = WorkloadConfig(kind=f"trace:{mooncake}", num_prompts=40,
                          shrink=ShrinkConfig(length_scale=1 / 64))
     reqs = build_workload(cfg).requests
     first_block = reqs[0].prompt_token_ids[:8]

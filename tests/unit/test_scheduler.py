@@ -226,14 +226,29 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_in_whole():
     h.assert_no_leaks()
 
 
-def test_without_chunked_prefill_an_oversized_prompt_does_not_stall_the_queue():
+def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_rejected_up_front():
     h = Harness(max_num_batched_tokens=10, chunked=False)
-    try:
+    with pytest.raises(ValueError, match="more than max_num_batched_tokens"):
         h.add("big", prompt(12), params(max_tokens=2))
-    except ValueError:
-        return  # rejected up front: fine
+    assert "big" not in h.sched.requests and h.sched.num_waiting == 0
     h.add("small", prompt(3, seed=1), params(max_tokens=2))
     h.run(max_steps=50)
+    assert sorted(h.finished) == ["small"]
+    h.assert_no_leaks()
+
+
+def test_without_chunked_prefill_an_oversized_prompt_does_not_stall_the_queue():
+    # A budget with no token limit to check up front (like compute-aware): a prompt larger
+    # than any step's budget must still run (alone in its step), and the queue behind it too.
+    h = Harness(max_num_batched_tokens=64, chunked=False)
+    h.sched.budget_policy = CappedChunkPolicy(total=10, per_request=10)
+    h.add("big", prompt(30), params(max_tokens=2))
+    h.add("small", prompt(3, seed=1), params(max_tokens=2))
+    out = h.step()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("big", 30)]
+    h.run(max_steps=50)
+    assert sorted(h.finished) == ["big", "small"]
+    h.assert_no_leaks()
 
 
 def test_max_num_seqs_is_respected_and_admission_is_fcfs():
