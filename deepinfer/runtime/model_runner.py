@@ -28,7 +28,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
         start = time.perf_counter()
-        self.sampler.drop(output.finished_request_ids + output.preempted_request_ids)
         if output.is_empty:
             return StepResult({}, step_time_s=0.0)
         # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.

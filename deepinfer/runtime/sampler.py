@@ -1,8 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Random rows sample by the exponential race (argmax of p / E with E ~ Exp(1)), which equals
-multinomial sampling and lets a seeded request draw its noise from its own generator, so its
-output does not depend on what else is in the batch.
+multinomial sampling. A seeded request draws the noise for output position i from a generator
+seeded with a hash of (seed, i): the draw is a pure function of (seed, i), so it does not depend
+on the rest of the batch, on a preemption (which recomputes and resumes at the same position),
+or on which worker samples it (a decode worker continues at the position the prefill worker's
+token left). Unseeded rows share the sampler's own generator.
 """
 from __future__ import annotations
 
@@ -10,17 +13,29 @@ import torch
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest, TokenLogprobs
+from deepinfer.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Generator seed for output token `position` of a request with `seed`. Mixing the seed
+    first keeps (seed, i + 1) and (seed + 1, i) apart (n > 1 children use seed + index)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
-
-    def drop(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
+        self._position_generator = torch.Generator(device=device)  # re-seeded for every row
 
     def sample(self, logits: Tensor, requests: list[ScheduledRequest]
                ) -> tuple[list[int], dict[str, TokenLogprobs]]:
@@ -54,27 +69,23 @@ class Sampler:
         temps = torch.tensor([r.sampling_params.temperature for r in requests],
                              dtype=logits.dtype, device=logits.device)
         logits = logits / temps.unsqueeze(1)
-        logits = _apply_top_k_top_p_min_p(logits, requests)
+        logits = truncate_logits(logits, [r.sampling_params for r in requests])
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = []
         for i, r in enumerate(requests):
-            if r.sampling_params.seed is None:
+            seed = r.sampling_params.seed
+            if seed is None:
                 unseeded.append(i)
             else:
-                noise[i].exponential_(generator=self._generator_for(r))
+                # The token sampled now is output position num_output_tokens.
+                self._position_generator.manual_seed(position_seed(seed, r.num_output_tokens))
+                noise[i].exponential_(generator=self._position_generator)
         if unseeded:
             idx = torch.tensor(unseeded, device=probs.device)
             noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device
                                      ).exponential_(generator=self.default_generator)
         return (probs / noise).argmax(dim=-1)
-
-    def _generator_for(self, r: ScheduledRequest) -> torch.Generator:
-        gen = self._generators.get(r.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(r.sampling_params.seed)
-            self._generators[r.request_id] = gen
-        return gen
 
     @staticmethod
     def _logprobs(logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
@@ -97,29 +108,34 @@ class Sampler:
         return out
 
 
-def _apply_top_k_top_p_min_p(logits: Tensor, requests: list[ScheduledRequest]) -> Tensor:
-    params = [r.sampling_params for r in requests]
-    use_k = any(p.top_k > 0 for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    use_min_p = any(p.min_p > 0.0 for p in params)
-    if use_min_p:
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+def truncate_logits(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Set to -inf every token that min_p, then top_k, then top_p (on what is left,
+    renormalised) exclude, as vLLM orders them; `logits` [N, V] are temperature-scaled, one row
+    per entry of `params`. Tokens tied with the last one kept by top-k or top-p are kept too,
+    so the kept set never depends on how a sort orders equal values."""
+    neg_inf = float("-inf")
+    dev = logits.device
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if not (use_k or use_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+        logits = logits.masked_fill(probs < threshold, neg_inf)
     vocab = logits.shape[1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-        drop |= ranks >= k.unsqueeze(1)
-    if use_p:
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-        drop |= before >= top_p.unsqueeze(1)  # the top token always stays (before == 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    if any(p.top_k > 0 for p in params):
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+        k_max = max(ks)
+        kth = logits.topk(k_max, dim=-1).values.gather(
+            1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev).unsqueeze(1))
+        off = torch.tensor([k == 0 for k in ks], device=dev).unsqueeze(1)
+        logits = logits.masked_fill((logits < kth) & ~off, neg_inf)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cumsum = probs.cumsum(dim=-1)
+        before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=1)
+        num_kept = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: before[0] = 0
+        last_kept = sorted_logits.gather(1, num_kept - 1)
+        off = (top_p >= 1.0).unsqueeze(1)
+        logits = logits.masked_fill((logits < last_kept) & ~off, neg_inf)
+    return logits
