@@ -1,4 +1,4 @@
-"""The pure packages (core, routing, sampling_params) import with torch, zmq,
+"""The pure packages (core, routing, sampling_params, moe/eplb) import with torch, zmq,
 fastapi, ray and redis blocked, and load nothing outside the standard library and numpy.
 
 Modules are discovered from the file system, so files added later are covered automatically.
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Add sim/ and moe/eplb.py here when they land; a listed name that does not exist fails.
+# Add sim/ here when it lands; a listed name that does not exist fails.
 PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing")
-PURE_SINGLE_MODULES = ("deepinfer.sampling_params",)
+PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb")
 BLOCKED = ("torch", "zmq", "fastapi", "ray", "redis")
 
 # Runs in the child: install the blocker, import everything, report as JSON on stdout.
