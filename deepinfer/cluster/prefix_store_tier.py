@@ -3,7 +3,9 @@
 Before a request is queued, `load_prefix` extends the device cache with the prompt's blocks
 found in the store: each is written into a free device block, registered under its chained
 hash and released (cached-free), so the scheduler's own prefix lookup finds it as if it had
-been computed here and the first prefill chunk starts after it. `write_through` hands a
+been computed here and the first prefill chunk starts after it (the prompt's device-cached
+head is referenced while loading, so the load cannot evict it: `KVCacheManager.
+load_prefix_blocks`). `write_through` hands a
 prefilled prompt's full blocks to the background `KVStoreWriter`.
 
 Keys are the engine's chained block hashes (same on every process); the store namespaces them
@@ -78,26 +80,20 @@ class SharedPrefixTier:
     def load_prefix(self, token_ids: list[int]) -> PrefixLoad:
         """Bring the prompt's store-cached blocks (after its device-cached ones) into free
         device blocks. At least one token is left to compute, as in `find_prefix`."""
-        pool = self.kv.pool
         hashes = self.block_hashes(token_ids)[:(len(token_ids) - 1) // self.kv.block_size]
-        num_device = 0
-        while num_device < len(hashes) and pool.is_cached(hashes[num_device]):
-            num_device += 1
-        # Keep half the free blocks for compute: loading must never evict its own blocks.
-        budget = pool.num_free_blocks // 2
-        num_store = 0
-        for block_hash in hashes[num_device:num_device + budget]:
+
+        def fetch(block_hash: bytes) -> bytes | None:
             payload = self.store.get(block_hash)
-            if payload is None:
-                break  # absent, evicted or corrupt: compute from here on
+            if payload is not None:
+                self._remember(block_hash)
+            return payload
+
+        def write(block_id: int, payload: bytes) -> None:
             block = kv_block_from_bytes(payload, self.layout, self.cache.kv.device)
-            [device_block] = pool.allocate(1)
-            self.cache.write_blocks([device_block.block_id], block)
-            pool.cache_block(device_block, block_hash)
-            pool.free([device_block])
-            self._remember(block_hash)
-            num_store += 1
-        return PrefixLoad(num_device, num_store)
+            self.cache.write_blocks([block_id], block)
+
+        load = self.kv.load_prefix_blocks(hashes, fetch, write)
+        return PrefixLoad(load.num_device_blocks, load.num_loaded_blocks)
 
     def write_through(self, token_ids: list[int], kv: torch.Tensor) -> int:
         """Queue the prompt's full blocks not yet known to be stored; returns blocks queued.

@@ -8,7 +8,9 @@ same step by another request is already valid when read.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from deepinfer.core.block_pool import BlockPool, KVBlock
 from deepinfer.core.prefix_hash import ROOT_HASH, BlockHash, hash_block_tokens
@@ -21,6 +23,17 @@ class PrefixHit:
 
     blocks: list[KVBlock]
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """What `load_prefix_blocks` found: leading blocks already cached here, then loaded."""
+
+    num_device_blocks: int
+    num_loaded_blocks: int
+
+
+Payload = TypeVar("Payload")
 
 
 class KVCacheManager:
@@ -68,6 +81,52 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def load_prefix_blocks(self, block_hashes: Sequence[BlockHash],
+                           fetch: Callable[[BlockHash], Payload | None],
+                           write: Callable[[int, Payload], None]) -> TierLoad:
+        """Extend the device prefix cache with blocks from a lower tier (the shared store).
+
+        The leading blocks of `block_hashes` already cached here are referenced first, so the
+        allocations for loaded blocks can never evict the prompt's own head. Then, block by
+        block: `fetch(hash)` returns the payload or None (a miss ends the load), and
+        `write(block_id, payload)` puts it into the fresh device block, which is registered
+        under its hash. At most half the free blocks are used (the rest stay for compute).
+        Every block is released at the end, cached-free with the chain's tail evicted first,
+        so the scheduler's `find_prefix` finds the whole run as if computed here.
+        """
+        if not self.enable_prefix_caching:
+            return TierLoad(0, 0)
+        held: list[KVBlock] = []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            held.append(block)
+        self.pool.touch(held)
+        num_device = len(held)
+        budget = self.pool.num_free_blocks // 2
+        num_loaded = 0
+        try:
+            for block_hash in block_hashes[num_device:]:
+                block = self.pool.get_cached_block(block_hash)
+                if block is not None:  # behind a gap in the chain: already here
+                    self.pool.touch([block])
+                    held.append(block)
+                    continue
+                if num_loaded == budget:
+                    break
+                payload = fetch(block_hash)
+                if payload is None:
+                    break  # absent, evicted or corrupt: compute from here on
+                [block] = self.pool.allocate(1)
+                held.append(block)  # released (uncached if the write fails) below
+                write(block.block_id, payload)
+                self.pool.cache_block(block, block_hash)
+                num_loaded += 1
+        finally:
+            self.pool.free(reversed(held))
+        return TierLoad(num_device, num_loaded)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_query_tokens

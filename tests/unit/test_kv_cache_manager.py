@@ -318,3 +318,105 @@ def test_a_gap_in_the_cached_chain_ends_the_match():
     assert pool.is_cached(a.block_hashes[1]) and pool.is_cached(a.block_hashes[2])
     hit = kv.find_prefix(make_request("b", prompt))
     assert hit.blocks == [] and hit.num_tokens == 0
+
+
+class FakeTier:
+    """A lower tier holding some of a prompt's blocks; records what was written where."""
+
+    def __init__(self, stored: dict[bytes, str], fail_on: bytes | None = None) -> None:
+        self.stored = stored
+        self.fail_on = fail_on
+        self.fetched: list[bytes] = []
+        self.written: dict[int, str] = {}
+
+    def fetch(self, block_hash: bytes) -> str | None:
+        self.fetched.append(block_hash)
+        return self.stored.get(block_hash)
+
+    def write(self, block_id: int, payload: str) -> None:
+        if payload == self.fail_on:
+            raise OSError("device write failed")
+        self.written[block_id] = payload
+
+
+def cache_then_age(kv: KVCacheManager, prompt: list[int], newer: list[int]) -> None:
+    """Compute `prompt` and free it, then compute and free `newer` so the prompt's blocks
+    become the least recently used cached-free blocks (first in line for eviction)."""
+    for rid, tokens in (("cached", prompt), ("newer", newer)):
+        r = make_request(rid, tokens)
+        admit_whole(kv, r)
+        kv.free(r)
+
+
+def test_tier_load_references_the_device_head_before_allocating():
+    bs = 2
+    kv = KVCacheManager(num_blocks=8, block_size=bs)
+    prompt = list(range(100, 113))  # 6 full blocks + 1 token to compute
+    hashes = hash_request_blocks(prompt, bs)[:6]
+    cache_then_age(kv, prompt[:4], list(range(12)))  # head: 2 blocks, LRU; 6 newer blocks
+    head = [kv.pool.get_cached_block(h).block_id for h in hashes[:2]]
+    tier = FakeTier({h: f"block{i}" for i, h in enumerate(hashes)})
+
+    load = kv.load_prefix_blocks(hashes, tier.fetch, tier.write)
+
+    assert [kv.pool.get_cached_block(h).block_id for h in hashes[:2]] == head  # not evicted
+    # 6 blocks free once the head is referenced; half of them are used for loading.
+    assert (load.num_device_blocks, load.num_loaded_blocks) == (2, 3)
+    assert tier.fetched == hashes[2:5]
+    for i in range(2, 5):
+        assert tier.written[kv.pool.get_cached_block(hashes[i]).block_id] == f"block{i}"
+    hit = kv.find_prefix(make_request("again", prompt))
+    assert hit.num_tokens == 5 * bs
+    assert kv.pool.num_used_blocks == 0
+    kv.check_invariants()
+
+
+def test_tier_load_stops_at_a_miss_and_uses_cached_blocks_behind_a_gap():
+    bs = 2
+    kv = KVCacheManager(num_blocks=16, block_size=bs)
+    prompt = list(range(100, 111))  # 5 full blocks
+    hashes = hash_request_blocks(prompt, bs)
+    admit_whole(kv, r := make_request("r", prompt))
+    kv.free(r)
+    pool = kv.pool
+    later = [pool.get_cached_block(h) for h in hashes[1:]]
+    pool.touch(later)  # evict the head only: blocks 1..4 stay cached behind a gap
+    pool.free(pool.allocate(pool.num_free_blocks))
+    pool.free(later)
+    assert [pool.is_cached(h) for h in hashes] == [False, True, True, True, True]
+    tier = FakeTier({hashes[0]: "block0"})
+    load = kv.load_prefix_blocks(hashes, tier.fetch, tier.write)
+    assert (load.num_device_blocks, load.num_loaded_blocks) == (0, 1)
+    assert tier.fetched == hashes[:1]  # cached blocks are never fetched
+    assert kv.find_prefix(make_request("again", prompt + [1])).num_tokens == 5 * bs
+
+    kv2 = KVCacheManager(num_blocks=16, block_size=bs)
+    tier2 = FakeTier({hashes[0]: "block0", hashes[2]: "block2"})
+    load = kv2.load_prefix_blocks(hashes, tier2.fetch, tier2.write)
+    assert (load.num_device_blocks, load.num_loaded_blocks) == (0, 1)
+    assert tier2.fetched == hashes[:2]  # block 1 missed: the load ends there
+    assert not kv2.pool.is_cached(hashes[2])
+    kv2.check_invariants()
+
+
+def test_a_failed_tier_write_releases_every_block():
+    bs = 2
+    kv = KVCacheManager(num_blocks=8, block_size=bs)
+    prompt = list(range(100, 109))
+    hashes = hash_request_blocks(prompt, bs)
+    admit_whole(kv, r := make_request("head", prompt[:3]))  # block 0 cached on device
+    kv.free(r)
+    tier = FakeTier({h: f"block{i}" for i, h in enumerate(hashes)}, fail_on="block2")
+    with pytest.raises(OSError):
+        kv.load_prefix_blocks(hashes, tier.fetch, tier.write)
+    assert kv.pool.num_used_blocks == 0
+    # Block 1 was loaded before the failure; the failed block is released uncached.
+    assert [kv.pool.is_cached(h) for h in hashes] == [True, True, False, False]
+    kv.check_invariants()
+
+
+def test_tier_load_is_a_no_op_without_prefix_caching():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    tier = FakeTier({b"h" * 16: "x"})
+    load = kv.load_prefix_blocks([b"h" * 16], tier.fetch, tier.write)
+    assert (load.num_device_blocks, load.num_loaded_blocks) == (0, 0) and not tier.fetched
