@@ -6,13 +6,13 @@ from deepinfer.routing.prefill_cost import (CostModelPrefillCost, LinearQuadrati
 from deepinfer.routing.prefill_router import (DEFAULT_PREFILL_POLICY, PREFILL_POLICIES,
                                               PrefillRouter, build_prefill_router)
 from deepinfer.routing.reservation_ledger import Reservation, ReservedLoad
-from deepinfer.routing.router_base import NoWorkerAvailable, Router
+from deepinfer.routing.router_base import NoWorkerAvailable, RequestTooLarge, Router
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WORKER_ROLES, WorkerLoad
 
 __all__ = [
     "CostModelPrefillCost", "DECODE_POLICIES", "DEFAULT_DECODE_POLICY", "DEFAULT_PREFILL_POLICY", "DecodeRouter",
     "LinearQuadraticPrefillCost", "NoWorkerAvailable", "PREFILL_POLICIES", "PrefillCostFn",
-    "PrefillRouter", "Reservation", "ReservedLoad", "Router", "RoutingRequest", "WORKER_ROLES",
+    "PrefillRouter", "RequestTooLarge", "Reservation", "ReservedLoad", "Router", "RoutingRequest", "WORKER_ROLES",
     "WorkerLoad", "build_decode_router", "build_prefill_router",
 ]

@@ -17,13 +17,20 @@ worker is over the mark, `overload_policy` decides: "least-loaded" (default) pic
 score anyway, leaving the decode worker's scheduler to queue or preempt; "raise" raises
 `NoWorkerAvailable` so the caller can hold the request back (backpressure).
 
+Whole-cache fit: a worker whose entire KV cache cannot hold the prompt plus the first sampled
+token is never picked for it; when no worker can, `RequestTooLarge` (a ValueError) says so at
+once (`check_fits` lets the front refuse before spending a prefill on it).
+
 Alternatives for comparison: `round-robin`, `least-requests`, `least-kv` (high-water mark off
 unless given). Workers with role "decode" or "colocated" and a known KV capacity (> 0 blocks)
 are routable.
 """
 from __future__ import annotations
 
-from deepinfer.routing.router_base import NoWorkerAvailable, Router, build_router, next_round_robin
+from collections.abc import Sequence
+
+from deepinfer.routing.router_base import (NoWorkerAvailable, RequestTooLarge, Router,
+                                           build_router, next_round_robin)
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WorkerLoad
 
@@ -58,6 +65,30 @@ class DecodeRouter(Router):
 
     def kv_usage(self, load: WorkerLoad, extra_tokens: int = 0) -> float:
         return (self.kv_tokens(load) + extra_tokens) / load.kv_capacity_tokens
+
+    # --- whole-cache fit -------------------------------------------------------------------
+    @staticmethod
+    def min_kv_tokens(request: RoutingRequest) -> int:
+        """KV a worker must hold at admission: the prompt and the first sampled token."""
+        return request.num_prompt_tokens + 1
+
+    def fitting(self, request: RoutingRequest, candidates: list[WorkerLoad]) -> list[WorkerLoad]:
+        """Candidates whose whole KV cache can hold the request; RequestTooLarge if none."""
+        need = self.min_kv_tokens(request)
+        fits = [ld for ld in candidates if ld.kv_capacity_tokens >= need]
+        if not fits:
+            largest = max(ld.kv_capacity_tokens for ld in candidates)
+            raise RequestTooLarge(
+                f"the prompt has {request.num_prompt_tokens} tokens, but the largest decode "
+                f"worker's whole KV cache holds {largest} tokens (prompt + 1 needed)")
+        return fits
+
+    def check_fits(self, request: RoutingRequest, loads: Sequence[WorkerLoad]) -> None:
+        """Raise RequestTooLarge (or NoWorkerAvailable) now if `request` could never be routed."""
+        self.fitting(request, self.candidates(loads))
+
+    def select(self, request: RoutingRequest, loads: Sequence[WorkerLoad], now: float) -> str:
+        return self._choose(request, self.fitting(request, self.candidates(loads)), now)
 
     # --- policy ----------------------------------------------------------------------------
     def _rank(self, request: RoutingRequest, load: WorkerLoad) -> tuple:

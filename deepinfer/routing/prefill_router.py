@@ -6,12 +6,17 @@ finish first (queued compute + in-flight reservations + its own cost). The other
 comparison: `round-robin`, `least-requests`, and `cache-affinity` (consistent hash of the
 first blocks, as cache-local systems do).
 
-Policies accept workers with role "prefill" or "colocated".
+Policies accept workers with role "prefill" or "colocated". Back-pressure: a worker whose KV
+staging is full (`WorkerLoad.staging_full`) is skipped while another has room; when every
+worker is full the policy chooses among all of them (each worker queues what it cannot stage
+yet, so its host memory stays capped) and `num_staging_full` counts the decision.
 """
 from __future__ import annotations
 
 from deepinfer.routing.consistent_hash_ring import ConsistentHashRing
 from deepinfer.routing.prefill_cost import LinearQuadraticPrefillCost, PrefillCostFn
+from collections.abc import Sequence
+
 from deepinfer.routing.router_base import Router, build_router, next_round_robin
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WorkerLoad
@@ -19,6 +24,17 @@ from deepinfer.routing.worker_load import WorkerLoad
 
 class PrefillRouter(Router):
     accepted_roles = ("prefill", "colocated")
+
+    def __init__(self, report_lag_s: float = 0.0) -> None:
+        super().__init__(report_lag_s)
+        self.num_staging_full = 0  # decisions taken with every worker's staging full (a metric)
+
+    def select(self, request: RoutingRequest, loads: Sequence[WorkerLoad], now: float) -> str:
+        pool = self.candidates(loads)
+        with_room = [ld for ld in pool if not ld.staging_full]
+        if not with_room:
+            self.num_staging_full += 1
+        return self._choose(request, with_room or pool, now)
 
 
 class LeastComputePrefillRouter(PrefillRouter):

@@ -27,6 +27,11 @@ class NoWorkerAvailable(RuntimeError):
     """No healthy worker of the right role can take the request (the caller retries or fails it)."""
 
 
+class RequestTooLarge(ValueError):
+    """No worker could ever hold the request (e.g. its prompt exceeds every decode worker's
+    whole KV cache): a client error to refuse at once, not a reason to wait."""
+
+
 class Router(ABC):
     name: str = "router"
     accepted_roles: tuple[str, ...] = ()

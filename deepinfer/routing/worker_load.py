@@ -17,7 +17,10 @@ class WorkerLoad:
     `kv_tokens` is the accumulated KV length of the worker's running requests; the KV capacity
     in tokens is `num_kv_blocks_total * block_size`. `predicted_queue_time_s` is the worker's
     own estimate (cost model) of the time to drain its queued prefill work, or None when the
-    worker has no cost model.
+    worker has no cost model. `kv_staged_bytes` / `kv_staging_capacity_bytes`: a prefill
+    worker's host memory holding prompt KV until decode workers pull it (staged plus promised
+    to prompts it has admitted) and its cap (None: no cap reported); a worker whose staging is
+    full holds new prompts back, so the prefill router sends them elsewhere when it can.
     """
 
     worker_id: str
@@ -33,6 +36,8 @@ class WorkerLoad:
     max_running_reqs: int = 256
     predicted_queue_time_s: float | None = None
     healthy: bool = True
+    kv_staged_bytes: int = 0
+    kv_staging_capacity_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -40,7 +45,7 @@ class WorkerLoad:
         if self.role not in WORKER_ROLES:
             raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         for name in ("num_running_reqs", "num_waiting_reqs", "num_queued_uncached_tokens",
-                     "num_kv_blocks_used", "num_kv_blocks_total", "kv_tokens"):
+                     "num_kv_blocks_used", "num_kv_blocks_total", "kv_tokens", "kv_staged_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1:
@@ -49,10 +54,18 @@ class WorkerLoad:
             raise ValueError(f"max_running_reqs must be >= 1, got {self.max_running_reqs}")
         if self.predicted_queue_time_s is not None and self.predicted_queue_time_s < 0:
             raise ValueError("predicted_queue_time_s must be >= 0 or None")
+        if self.kv_staging_capacity_bytes is not None and self.kv_staging_capacity_bytes < 1:
+            raise ValueError("kv_staging_capacity_bytes must be >= 1 or None")
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks_total * self.block_size
+
+    @property
+    def staging_full(self) -> bool:
+        """No room left to stage another prompt's KV (a prefill worker's back-pressure)."""
+        return (self.kv_staging_capacity_bytes is not None
+                and self.kv_staged_bytes >= self.kv_staging_capacity_bytes)
 
     @property
     def num_active_reqs(self) -> int:

@@ -212,3 +212,21 @@ def test_factory_rejects_unknown_names_and_options():
         build_decode_router("balanced", kv_high_watermark=1.5)
     with pytest.raises(ValueError, match="scoring"):
         build_decode_router("balanced", scoring="quadratic")
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_POLICIES))
+def test_a_prompt_larger_than_every_whole_cache_is_refused_not_queued(name):
+    from deepinfer.routing import RequestTooLarge
+    router = build_decode_router(name)
+    small, big = load("d0", blocks=4), load("d1", blocks=10)  # 64 and 160 tokens
+    # Only the worker whose whole cache holds prompt + first token is eligible, however idle
+    # the other one is.
+    assert {router.route(RoutingRequest(f"r{k}", 100), [small, big], 1.0)
+            for k in range(4)} == {"d1"}
+    router.check_fits(RoutingRequest("fits", 159), [small, big])
+    with pytest.raises(RequestTooLarge, match="160 tokens") as info:
+        router.route(RoutingRequest("huge", 160), [small, big], 1.0)
+    assert isinstance(info.value, ValueError)  # a client error (400), not a transient one
+    with pytest.raises(RequestTooLarge):
+        router.check_fits(RoutingRequest("huge", 160), [small, big])
+    assert "huge" not in {r.request_id for r in router.remove_worker("d1")}  # nothing reserved

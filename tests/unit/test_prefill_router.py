@@ -218,3 +218,33 @@ def test_cost_model_prefill_cost_feeds_least_compute():
     router.route(RoutingRequest("long", 2000), loads, 0.0)
     assert router.reserved("p0").predicted_cost_s == pytest.approx(cost(2000, 0))
     assert [router.route(RoutingRequest(f"s{k}", 200), loads, 0.0) for k in range(3)] == ["p1"] * 3
+
+
+def staged(wid: str, staged_bytes: int, cap: int | None = 1000, waiting: int = 0,
+           tokens: int = 0) -> WorkerLoad:
+    return WorkerLoad(wid, "prefill", 0.0, num_waiting_reqs=waiting,
+                      num_queued_uncached_tokens=tokens, kv_staged_bytes=staged_bytes,
+                      kv_staging_capacity_bytes=cap)
+
+
+@pytest.mark.parametrize("name", sorted(PREFILL_POLICIES))
+def test_back_pressure_skips_workers_whose_staging_is_full(name):
+    router = build_prefill_router(name)
+    # p0 is idle but cannot stage another prompt's KV; p1 is busy but has room.
+    loads = [staged("p0", 1000), staged("p1", 10, waiting=5, tokens=5000)]
+    picks = {router.route(RoutingRequest(f"r{k}", 64, _prefix_hashes([k] * 64, [])), loads, 1.0)
+             for k in range(12)}
+    assert picks == {"p1"} and router.num_staging_full == 0
+    # Every worker full: still routed (each queues what it cannot stage yet), and counted.
+    full = [staged("p0", 1000), staged("p1", 2000)]
+    assert router.route(RoutingRequest("x", 64), full, 2.0) in {"p0", "p1"}
+    assert router.num_staging_full == 1
+    # No cap reported: never full.
+    assert not staged("p0", 10**12, cap=None).staging_full
+
+
+def test_staging_fields_are_validated():
+    with pytest.raises(ValueError, match="kv_staged_bytes"):
+        WorkerLoad("w", "prefill", 0.0, kv_staged_bytes=-1)
+    with pytest.raises(ValueError, match="kv_staging_capacity_bytes"):
+        WorkerLoad("w", "prefill", 0.0, kv_staging_capacity_bytes=0)
