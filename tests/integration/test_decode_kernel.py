@@ -69,3 +69,18 @@ def test_loading_the_kernels_keeps_ieee_subnormals():
         assert load_kernel_library(name) is not None
     tiny = ctypes.c_double(2.2250738585072014e-308)  # smallest normal double
     assert tiny.value / 2 != 0.0, "subnormals are flushed to zero after loading the kernels"
+
+
+def test_silu_and_mul_saturates_for_large_negative_gates():
+    """silu(g) -> -0 as g -> -inf; under -ffast-math an overflowed expf came out as NaN."""
+    from deepinfer.runtime.cpu_elementwise_kernels import ElementwiseKernels
+
+    lib = load_kernel_library("fused_elementwise")
+    assert lib is not None, "the C compiler is part of the supported setup; the build failed"
+    gate = torch.tensor([-1000.0, -200.0, -100.0, -89.0, -88.0, -20.0, 0.0, 20.0, 100.0, 1000.0])
+    gate = gate.repeat(4)[:37]  # odd width: a vector tail as well as full vectors
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)]).bfloat16()[None].repeat(20, 1)
+    got = ElementwiseKernels(lib).silu_and_mul(gate_up).float()
+    want = F.silu(gate_up[:, :37].float()) * 3.0
+    assert not got.isnan().any()
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), (got - want).abs().max()

@@ -36,18 +36,18 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t 
     }
 }
 
-/* Row chunks go through float buffers with integer-only widen/narrow loops, so every inner
- * loop vectorizes (expf included, via libmvec). */
+/* Row chunks go through float buffers with simple widen/narrow loops, so every inner loop
+ * vectorizes (expf included, via libmvec). The conversions go by value (memcpy), never by
+ * accessing a float buffer through a uint32_t pointer: that breaks strict aliasing, and the
+ * same pattern made GCC's AVX-512 code read stale data in paged_decode_attention.c. */
 #define CHUNK 256
 
 static inline void widen(float *restrict dst, const uint16_t *restrict src, int n) {
-    uint32_t *restrict d = (uint32_t *)dst;
-    for (int i = 0; i < n; i++) d[i] = ((uint32_t)src[i]) << 16;
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
 static inline void narrow(uint16_t *restrict dst, const float *restrict src, int n) {
-    const uint32_t *restrict s = (const uint32_t *)src;
-    for (int i = 0; i < n; i++) dst[i] = (uint16_t)((s[i] + 0x7FFFu + ((s[i] >> 16) & 1u)) >> 16);
+    for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
 /* gate_up [T, 2I] = [gate | up]; out [T, I] = silu(gate) * up. */
@@ -64,7 +64,9 @@ void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I,
             widen(gf, g + i0, n);
             widen(uf, u + i0, n);
             _Pragma("omp simd")
-            for (int i = 0; i < n; i++) gf[i] = gf[i] / (1.f + expf(-gf[i])) * uf[i];
+            /* exp clamped below FLT_MAX: -ffast-math assumes finite values, and an
+             * overflowed expf (gate < -88) came out as NaN instead of -0. */
+            for (int i = 0; i < n; i++) gf[i] = gf[i] / (1.f + expf(fminf(-gf[i], 88.f))) * uf[i];
             narrow(o + i0, gf, n);
         }
     }

@@ -8,6 +8,7 @@
  *
  * One task per (sequence, KV head): scores for its G query rows, softmax, weighted V sum,
  * all in float32. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,10 +17,19 @@
 #define MAX_G 32
 #define MAX_D 256
 
-/* A row of bf16 -> float32: widen and shift, written on integers so it vectorizes. */
+/* bf16 -> float32 by value (memcpy), never by storing integers through a float buffer: that
+ * breaks C's strict-aliasing rule, and GCC's AVX-512 code then hoisted the float reads of the
+ * K row out of the token loop (every score used one stale row) on Zen 4. This still
+ * vectorizes to a widen and a shift. */
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static inline void bf16_row(float *restrict dst, const uint16_t *restrict src, int n) {
-    uint32_t *restrict d32 = (uint32_t *)dst;
-    for (int i = 0; i < n; i++) d32[i] = ((uint32_t)src[i]) << 16;
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
 static inline uint16_t bf16_store(float f) {
@@ -50,7 +60,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, const int6
                 const T *qp = q + ((int64_t)b * KV * G + (int64_t)h * G + g) * D;               \
                 LOAD(qf[g], qp, D);                                                             \
                 for (int d = 0; d < D; d++) qf[g][d] *= scale;                                  \
-                mx[g] = -INFINITY; sum[g] = 0.f;                                                \
+                mx[g] = -FLT_MAX; sum[g] = 0.f; /* finite: built with -ffast-math */       \
                 for (int d = 0; d < D; d++) acc[g][d] = 0.f;                                    \
             }                                                                                   \
             for (int64_t t = 0; t < len; t++) {                                                 \
