@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer.server.admission import AdmissionGate
 from deepinfer.server.engine_client import EngineClient
 from deepinfer.server.errors import APIError, from_validation_error
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -89,9 +90,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(served_names[0], lambda: client.stats)
     if hasattr(client, "register_metrics"):  # per-worker metrics of a disaggregated cluster
         client.register_metrics(metrics.registry)
-    completion = OpenAIServingCompletion(client, metrics, served_names,
-                                         config.max_waiting_requests)
-    chat = OpenAIServingChat(client, metrics, served_names, config.max_waiting_requests)
+    gate = AdmissionGate(config.max_waiting_requests, lambda: client.num_waiting_requests)
+    completion = OpenAIServingCompletion(client, metrics, served_names, gate)
+    chat = OpenAIServingChat(client, metrics, served_names, gate)
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
 
     if config.api_key:

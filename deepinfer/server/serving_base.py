@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.admission import Admission, AdmissionGate
 from deepinfer.server.engine_client import EngineClient, EngineDeadError
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
@@ -114,11 +115,11 @@ class OpenAIServing:
     """Shared request handling for one served model."""
 
     def __init__(self, client: EngineClient, metrics: ServerMetrics,
-                 served_model_names: list[str], max_waiting_requests: int | None) -> None:
+                 served_model_names: list[str], gate: AdmissionGate) -> None:
         self.client = client
         self.metrics = metrics
         self.served_model_names = served_model_names
-        self.max_waiting_requests = max_waiting_requests
+        self.gate = gate  # one per server: both endpoints share the waiting limit
         self._token_text: dict[int, str] = {}
 
     @property
@@ -131,12 +132,14 @@ class OpenAIServing:
                               f"{', '.join(self.served_model_names)}", param="model",
                               code="model_not_found")
 
-    def check_capacity(self, num_new_requests: int) -> None:
-        if self.max_waiting_requests is None:
-            return
-        if self.client.num_waiting_requests + num_new_requests > self.max_waiting_requests:
-            raise APIError(429, f"Too many waiting requests (limit {self.max_waiting_requests});"
-                           " retry later", type="rate_limit_error", code="rate_limit_exceeded")
+    def admit(self, num_new_requests: int) -> Admission:
+        """503 while the engine is down (restarting), 429 over the waiting limit; else the
+        reservation that `submit` hands over to the client as each engine request starts."""
+        if not self.client.is_healthy:
+            raise APIError(503, "The engine is not available (restarting after a failure); "
+                           "retry later", type="service_unavailable_error",
+                           code="engine_unavailable")
+        return self.gate.admit(num_new_requests)
 
     @staticmethod
     def reject_unsupported(request) -> None:
@@ -189,7 +192,8 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> AsyncIterator[EngineRequestState]:
+                     params: SamplingParams, admission: Admission,
+                     ) -> AsyncIterator[EngineRequestState]:
         """Run one engine request; yields its state after every delta (same object, updated).
         Engine rejection -> 400 APIError; dead engine -> 500 APIError."""
         arrival = time.monotonic()
@@ -198,6 +202,7 @@ class OpenAIServing:
         timer = self.metrics.request_timer(arrival)
         finished = False
         try:
+            admission.start_one()  # no await before generate() counts it as waiting
             async for delta in self.client.generate(request_id, prompt_token_ids, params,
                                                     arrival):
                 now = time.monotonic()

@@ -74,19 +74,21 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
                                                                             max_tokens), logprobs)
-        self.check_capacity(1)
-        return prompt, params
+        return prompt, params, self.admit(1)
 
     async def create(self, request: ChatCompletionRequest):
         """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
-        prompt, params = self._prepare(request)
+        prompt, params, admission = self._prepare(request)
         response_id = random_id("chatcmpl")
-        stream = self.submit(response_id, prompt, params)
+        stream = self.submit(response_id, prompt, params, admission)
         if request.stream:
-            return self._stream(request, response_id, stream)
+            return self._stream(request, response_id, stream, admission)
         state = None
-        async for state in stream:
-            pass
+        try:
+            async for state in stream:
+                pass
+        finally:
+            admission.release()
         choices = [ChatCompletionChoice(
             index=c.index, message=ChatMessage(role="assistant", content=c.text),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -109,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, response_id: str,
-                      stream: AsyncIterator[EngineRequestState]) -> AsyncIterator[str]:
+                      stream: AsyncIterator[EngineRequestState], admission,
+                      ) -> AsyncIterator[str]:
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse_event(ChatCompletionStreamResponse(
                 id=response_id, model=self.model_name, choices=choices, usage=usage,
@@ -142,4 +145,6 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([], usage=make_usage([state]))
         except APIError as e:
             yield sse_event(e.body())
+        finally:
+            admission.release()
         yield SSE_DONE

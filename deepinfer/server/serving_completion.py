@@ -83,20 +83,22 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.make_sampling_params(
             request, self.resolve_max_tokens(len(p), request.max_tokens), request.logprobs)
             for p in prompts]
-        self.check_capacity(len(prompts))
-        return prompts, params
+        return prompts, params, self.admit(len(prompts))
 
     async def create(self, request: CompletionRequest):
         """A CompletionResponse, or an async iterator of SSE strings when streaming."""
-        prompts, params = self._prepare(request)
+        prompts, params, admission = self._prepare(request)
         response_id = random_id("cmpl")
-        streams = [self.submit(f"{response_id}-{i}", p, sp)
+        streams = [self.submit(f"{response_id}-{i}", p, sp, admission)
                    for i, (p, sp) in enumerate(zip(prompts, params))]
         if request.stream:
-            return self._stream(request, response_id, streams)
+            return self._stream(request, response_id, streams, admission)
         states: list[EngineRequestState | None] = [None] * len(streams)
-        async for i, state in merge_streams(streams):
-            states[i] = state
+        try:
+            async for i, state in merge_streams(streams):
+                states[i] = state
+        finally:
+            admission.release()
         choices = [self._choice(request, state, choice, i * request.n + choice.index)
                    for i, state in enumerate(states) for choice in state.choices]
         return CompletionResponse(id=response_id, model=self.model_name, choices=choices,
@@ -126,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     async def _stream(self, request: CompletionRequest, response_id: str,
-                      streams: list) -> AsyncIterator[str]:
+                      streams: list, admission) -> AsyncIterator[str]:
         n = request.n
         cursors = [[StreamCursor() for _ in range(n)] for _ in streams]
         final_states: list[EngineRequestState | None] = [None] * len(streams)
@@ -143,6 +145,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    choices=[], usage=make_usage(final_states)))
         except APIError as e:
             yield sse_event(e.body())
+        finally:
+            admission.release()
         yield SSE_DONE
 
     def _chunk(self, request: CompletionRequest, response_id: str, state: EngineRequestState,

@@ -52,6 +52,24 @@ class ServeProcess:
             time.sleep(0.5)
         raise RuntimeError(f"deepinfer serve not ready after {timeout_s} s:\n{self.output()}")
 
+    def engine_pid(self, timeout_s: float = 60.0) -> int:
+        """The pid of the colocated engine process (the server's one `spawn` child); polls
+        while it is being (re)started."""
+        import psutil
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for child in psutil.Process(self.proc.pid).children():
+                try:
+                    if "spawn_main" in " ".join(child.cmdline()) and child.status() != \
+                            psutil.STATUS_ZOMBIE:
+                        return child.pid
+                except psutil.NoSuchProcess:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine process under the server:\n{self.output()}")
+            time.sleep(0.1)
+
     def stop(self) -> int:
         """Ctrl-C, as a user would; returns the exit code."""
         if self.proc.poll() is None:
@@ -88,3 +106,27 @@ def wait_for_metric(url: str, name: str, predicate, timeout_s: float = 60.0) -> 
         if predicate(value) or time.monotonic() > deadline:
             return value
         time.sleep(0.2)
+
+
+class OfflineReference:
+    """The session's offline fp32 LLM, run on one thread like the servers under test (same
+    kernels, and on a busy 2-core machine one thread is several times faster)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def _run(self, method, *args):
+        import torch
+
+        num_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return method(*args, use_tqdm=False)
+        finally:
+            torch.set_num_threads(num_threads)
+
+    def chat(self, messages, params):
+        return self._run(self.llm.chat, messages, params)[0]
+
+    def generate(self, prompts, params):
+        return self._run(self.llm.generate, prompts, params)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 
 import httpx
 import openai
 import pytest
 
 from deepinfer import SamplingParams
-from tests.integration.serve_process import ServeProcess, metric, scrape_metrics, wait_for_metric
+from tests.integration.serve_process import (
+    OfflineReference, ServeProcess, metric, scrape_metrics, wait_for_metric,
+)
+from tests.shared_traces import trace_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,7 +25,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 4
 MAX_WAITING = 4
-TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,30 +57,6 @@ def model(client) -> str:
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
-
-
-class OfflineReference:
-    """The session's offline fp32 LLM, run on one thread like the server under test (same
-    kernels, and on a busy 2-core machine one thread is several times faster)."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def _run(self, method, *args):
-        import torch
-
-        num_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return method(*args, use_tqdm=False)
-        finally:
-            torch.set_num_threads(num_threads)
-
-    def chat(self, messages, params):
-        return self._run(self.llm.chat, messages, params)[0]
-
-    def generate(self, prompts, params):
-        return self._run(self.llm.generate, prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -252,10 +231,11 @@ class _OpenStream:
     """A streaming request kept open; its line iterator must stay referenced (an abandoned
     httpx iterator closes the connection, which the server rightly treats as a disconnect)."""
 
-    def __init__(self, http: httpx.AsyncClient, prompt_ids: list[int]) -> None:
-        body = {"prompt": prompt_ids, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
-                "stream": True}
-        self.context = http.stream("POST", "/v1/completions", json=body)
+    def __init__(self, http: httpx.AsyncClient, prompt_ids: list[int] | None = None, *,
+                 path: str = "/v1/completions", body: dict | None = None) -> None:
+        body = body or {"prompt": prompt_ids, "max_tokens": 400, "ignore_eos": True,
+                        "temperature": 0}
+        self.context = http.stream("POST", path, json={**body, "stream": True})
         self.response: httpx.Response | None = None
         self.lines = None
 
@@ -270,8 +250,54 @@ class _OpenStream:
                 return line
         raise AssertionError("stream ended without data")
 
+    async def read_rest(self) -> list[str]:
+        return [line async for line in self.lines if line.startswith("data:")]
+
     async def disconnect(self) -> None:
         await self.context.__aexit__(None, None, None)
+
+
+def finished_count(url: str, reason: str) -> float:
+    """Requests the server counted as finished for `reason` ("abort": client gone, or failed
+    mid-request)."""
+    return sum(v for k, v in scrape_metrics(url).items()
+               if k.startswith("deepinfer:request_success_total")
+               and f'finished_reason="{reason}"' in k)
+
+
+def abort_count(url: str) -> float:
+    return finished_count(url, "abort")
+
+
+async def _disconnect_non_streaming_while_running(url: str, engine_pid: int) -> None:
+    """A non-streaming client leaves while its request runs. The engine is paused (SIGSTOP)
+    from the moment the request is seen running until the front has counted the abort, so
+    the request cannot finish first, whatever the machine's speed."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
+        task = asyncio.create_task(http.post("/v1/completions", json={
+            "prompt": [3000] * 20, "max_tokens": 400, "ignore_eos": True}))
+        aborts = abort_count(url)
+        await asyncio.to_thread(wait_for_metric, url, "deepinfer:num_requests_running",
+                                lambda v: v >= 1)
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            assert not task.done()
+            task.cancel()  # closes the connection mid-request
+            await asyncio.gather(task, return_exceptions=True)
+            assert await asyncio.to_thread(_wait_for, lambda: abort_count(url) == aborts + 1)
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 async def _queue_full_then_disconnect(url: str) -> dict:
@@ -305,12 +331,45 @@ def test_queue_limit_429_and_disconnects_free_kv(server, client, model):
     assert wait_for_metric(server.url, "deepinfer:num_requests_running", lambda v: v == 0) == 0
     assert wait_for_metric(server.url, "deepinfer:kv_cache_usage_perc",
                            lambda v: v == idle_kv) == idle_kv
-    # A non-streaming client that times out is aborted too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=2.0,
-                   json={"prompt": [3000] * 20, "max_tokens": 400, "ignore_eos": True})
+    # A non-streaming client that leaves mid-request is aborted too.
+    asyncio.run(_disconnect_non_streaming_while_running(server.url, server.engine_pid()))
     assert wait_for_metric(server.url, "deepinfer:kv_cache_usage_perc",
                            lambda v: v == idle_kv) == idle_kv
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text
+
+
+async def _burst_while_engine_paused(url: str, engine_pid: int, num: int) -> list[int]:
+    """`num` concurrent streams (completions and chats) while the engine is paused (SIGSTOP):
+    none can start running, so exactly MAX_WAITING may be admitted; then resume and finish."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120,
+                                 limits=httpx.Limits(max_connections=num + 4)) as http:
+        streams = [
+            _OpenStream(http, path="/v1/chat/completions", body={
+                "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 2})
+            if i % 2 else _OpenStream(http, body={"prompt": [100 + i] * 8, "max_tokens": 2})
+            for i in range(num)]
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            statuses = await asyncio.gather(*(stream.open() for stream in streams))
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        for stream, status in zip(streams, statuses):
+            if status == 429:
+                await stream.response.aread()
+                assert stream.response.json()["error"]["code"] == "rate_limit_exceeded"
+            else:  # admitted: runs to the end once the engine resumes
+                lines = await stream.read_rest()
+                assert lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines), lines
+            await stream.disconnect()
+    return statuses
+
+
+def test_queue_limit_is_exact_under_concurrent_arrivals(server, client, model):
+    assert wait_for_metric(server.url, "deepinfer:num_requests_running", lambda v: v == 0) == 0
+    assert wait_for_metric(server.url, "deepinfer:num_requests_waiting", lambda v: v == 0) == 0
+    num = 3 * MAX_WAITING
+    statuses = asyncio.run(_burst_while_engine_paused(server.url, server.engine_pid(), num))
+    assert sorted(statuses) == [200] * MAX_WAITING + [429] * (num - MAX_WAITING), statuses
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text
 
 
@@ -327,9 +386,27 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, model):
         before, "deepinfer:prefix_cache_queries_total") >= 2 * 96
 
 
+async def _abort_one_stream(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
+        stream = _OpenStream(http, [4000] * 8)
+        assert await stream.open() == 200
+        assert "text" in await stream.first_data_line()  # running, 399 tokens to go
+        await stream.disconnect()
+
+
 def test_metrics_cover_latency_tokens_and_finish_reasons(server, client, model):
-    client.completions.create(model=model, prompt="Count: 1, 2,", max_tokens=4,
-                              extra_body={"ignore_eos": True})
+    before = {r: finished_count(server.url, r) for r in ("length", "stop", "abort")}
+    # This test's own request of each finish reason: length, stop (on its first token), abort.
+    first = client.completions.create(model=model, prompt="Count: 1, 2,", max_tokens=4,
+                                      temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert first.choices[0].finish_reason == "length"
+    stopped = client.completions.create(model=model, prompt="Count: 1, 2,", max_tokens=4,
+                                        temperature=0, extra_body={
+                                            "stop_token_ids": first.choices[0].token_ids[:1]})
+    assert stopped.choices[0].finish_reason == "stop"
+    asyncio.run(_abort_one_stream(server.url))
+    assert _wait_for(lambda: {r: finished_count(server.url, r) - n for r, n in before.items()}
+                     == {"length": 1, "stop": 1, "abort": 1})
     samples = scrape_metrics(server.url)
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "time_per_output_token_seconds", "e2e_request_latency_seconds",
@@ -341,10 +418,6 @@ def test_metrics_cover_latency_tokens_and_finish_reasons(server, client, model):
                  "step_time_prediction_abs_error_ratio_sum_total",
                  "step_time_prediction_steps_total"):
         assert f"deepinfer:{name}" in {k.split("{")[0] for k in samples}
-    reasons = {k for k in samples if k.startswith("deepinfer:request_success_total")}
-    assert any('finished_reason="length"' in k for k in reasons)
-    assert any('finished_reason="stop"' in k for k in reasons)
-    assert any('finished_reason="abort"' in k for k in reasons)
 
 
 # --- deepinfer bench serve against this server -------------------------------------------------
@@ -366,9 +439,8 @@ BENCH_CASES = [
 def test_bench_serve_each_workload(server, tmp_path, capsys, workload, extra):
     from deepinfer.cli.main import main
 
-    workload = workload.format(traces=TRACES)
-    if workload.startswith("trace:") and not os.path.exists(workload[6:]):
-        pytest.skip("shared traces not present")
+    if workload.startswith("trace:"):  # a missing trace fails under CI, never a silent pass
+        workload = "trace:" + trace_path(*workload[len("trace:{traces}/"):].split("/"))
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
                  "--workload", workload, "--num-prompts", "6", "--max-concurrency", "2",
