@@ -9,7 +9,7 @@ load_prefix_blocks`). `write_through` hands a
 prefilled prompt's full blocks to the background `KVStoreWriter`.
 
 Keys are the engine's chained block hashes (same on every process); the store namespaces them
-by a salt of model id, dtype, block size and tensor layout, and checks a checksummed header on
+by a salt of the weights' fingerprint, dtype, block size and tensor layout (`store_salt`), and checks a checksummed header on
 every read (a corrupt block is a miss: the rest of the prompt is recomputed).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from deepinfer.core.prefix_hash import hash_request_blocks, salt_hash
 from deepinfer.kvstore import KVBlockLayout, KVBlockStore, KVStoreWriter
 from deepinfer.kvstore.tensor_codec import kv_block_from_bytes, kv_block_to_bytes
 from deepinfer.runtime.kv_cache import PagedKVCache
+from deepinfer.runtime.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,13 @@ def layout_for_cache(cache: PagedKVCache) -> KVBlockLayout:
     return KVBlockLayout(str(cache.spec.dtype).removeprefix("torch."), shape, axes)
 
 
-def store_salt(layout: KVBlockLayout, model_id: str, block_size: int) -> bytes:
-    """The namespace of this model's blocks in a shared store (model, dtype, block size,
-    tensor layout): workers that differ in any of them never share blocks."""
-    return salt_hash(model_id, layout.dtype, str(block_size), layout.descriptor)
+def store_salt(layout: KVBlockLayout, source: ModelSource, block_size: int) -> bytes:
+    """The namespace of this model's blocks in a shared store: a fingerprint of the weight,
+    config and tokenizer files (not the model's name: two checkpoints called alike must not
+    share KV), KV dtype, block size and tensor layout. Workers that differ in any of them
+    never share blocks; the same files give the same salt on every process and machine."""
+    return salt_hash("weights:" + source.weights_fingerprint(), layout.dtype, str(block_size),
+                     layout.descriptor)
 
 
 class SharedPrefixTier:

@@ -30,7 +30,7 @@ def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
     tier = None
     if spec.kv_store_url is not None:
         layout = layout_for_cache(engine.cache)
-        salt = store_salt(layout, engine.source.name, engine.config.block_size)
+        salt = store_salt(layout, engine.source, engine.config.block_size)
         store = open_store(spec.kv_store_url, salt, layout=layout.descriptor)
         tier = SharedPrefixTier(store, engine.cache, engine.scheduler.kv, layout)
     loop = PrefillWorkerLoop(spec, engine, input_socket, output_socket, transport, tier)

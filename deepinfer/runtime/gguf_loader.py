@@ -197,3 +197,7 @@ class GGUFCheckpoint:
     @property
     def name(self) -> str:
         return served_name_from_path(self.path)
+
+    def files(self) -> list[str]:
+        """Every file the model is read from (weights, config and tokenizer: the one GGUF)."""
+        return [self.path]

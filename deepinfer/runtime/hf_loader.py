@@ -12,6 +12,10 @@ from deepinfer.models.model_config import ModelConfig
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
+# Config and tokenizer files that change what a checkpoint computes (its fingerprint's inputs).
+_CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                 "merges.txt", "chat_template.jinja")
 
 
 def _read_json(path: str) -> dict:
@@ -64,6 +68,11 @@ class HFCheckpoint:
     @property
     def name(self) -> str:
         return os.path.basename(os.path.normpath(self.path))
+
+    def files(self) -> list[str]:
+        """Every file the model is read from: weight shards, config and tokenizer files."""
+        extra = [os.path.join(self.path, f) for f in _CONFIG_FILES]
+        return self.weight_files + [p for p in extra if os.path.isfile(p)]
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) in the checkpoint's own dtype, one shard open at a time."""

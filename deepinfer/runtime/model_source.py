@@ -27,6 +27,8 @@ class Checkpoint(Protocol):
 
     def load_tokenizer(self) -> Any: ...
 
+    def files(self) -> list[str]: ...
+
 
 @dataclass
 class ModelSource:
@@ -36,6 +38,7 @@ class ModelSource:
     path: str  # the .gguf file or the HF directory
     config: ModelConfig
     checkpoint: Checkpoint = field(repr=False, compare=False)
+    _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor): float32 for dequantized GGUF, native dtype otherwise."""
@@ -44,6 +47,15 @@ class ModelSource:
     def load_tokenizer(self) -> Any:
         """A transformers `PreTrainedTokenizerBase` with the model's chat template."""
         return self.checkpoint.load_tokenizer()
+
+    def weights_fingerprint(self) -> str:
+        """A digest of the model's weight, config and tokenizer files (computed once): equal
+        for the same files on any process or machine, different for different weights that
+        share a name. It namespaces KV blocks in a shared prefix store."""
+        if self._fingerprint is None:
+            from deepinfer.runtime.weights_fingerprint import weights_fingerprint
+            self._fingerprint = weights_fingerprint(self.path, self.checkpoint.files())
+        return self._fingerprint
 
 
 def default_model_path() -> str:
