@@ -15,6 +15,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-workers", type=int, default=None, help="decode worker processes")
     g.add_argument("--kv-store", default="fs",
                    help=f"shared prefix store: {STORE_URL_HELP}, or none")
+    g.add_argument("--kv-store-capacity", default=None, metavar="SIZE",
+                   help="most bytes the fs prefix store keeps, least recently used blocks "
+                        "evicted first, e.g. 64GiB (default 16GiB for all models under its "
+                        "root; Redis: the server's maxmemory)")
     g.add_argument("--prefill-router", default=DEFAULT_PREFILL_POLICY,
                    choices=sorted(PREFILL_POLICIES))
     g.add_argument("--decode-router", default=DEFAULT_DECODE_POLICY,
@@ -39,14 +43,26 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
     if args.kv_store == "memory":
         raise CLIError("--kv-store memory is per process; workers need fs or redis (or none)")
     try:
-        if args.kv_store not in (None, "none"):
+        store_url = _store_url_with_capacity(args)
+        if store_url not in (None, "none"):
             from deepinfer.kvstore import open_store
-            open_store(args.kv_store, b"\0" * 16).close()  # validate the URL now
+            open_store(store_url, b"\0" * 16).close()  # validate the URL now
         cluster = ClusterConfig(
             num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
-            kv_store_url=args.kv_store, prefill_router=args.prefill_router,
+            kv_store_url=store_url, prefill_router=args.prefill_router,
             decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
             heartbeat_timeout_s=args.heartbeat_timeout)
     except ValueError as e:
         raise CLIError(str(e)) from None
     return DisaggClient(engine_config, cluster)
+
+
+def _store_url_with_capacity(args: argparse.Namespace) -> str | None:
+    """--kv-store with --kv-store-capacity folded in (workers only get the store's URL)."""
+    if getattr(args, "kv_store_capacity", None) is None:
+        return args.kv_store
+    if args.kv_store in (None, "none"):
+        raise ValueError("--kv-store-capacity needs a store (--kv-store is none)")
+    from deepinfer.kvstore.factory import with_capacity
+    from deepinfer.runtime.kv_cache import parse_memory
+    return with_capacity(args.kv_store, parse_memory(args.kv_store_capacity))

@@ -5,19 +5,22 @@
 Writes go to a temporary file in the same directory and are renamed into place, so a reader
 (in any process, or on another machine over a shared mount) sees a whole block or none.
 Readers record use by setting the file's mtime on every hit; eviction removes the least
-recently used files until the directory is under `low_watermark * capacity_bytes`.
+recently used files until the store is under `low_watermark * capacity_bytes`.
 
-Capacity across processes: each process adds its own writes to the size it last measured and
-rescans the directory (sizes and mtimes of every block) when that passes the capacity or after
-writing `capacity_bytes * rescan_fraction` bytes; one process evicts at a time (flock). The
-bound is exact for one writer and may be overshot by what other writers wrote since the last
-rescan.
+The capacity bounds the whole root, every salt's blocks together (the default root is the
+user's cache directory, shared by every model and configuration served on the machine; a salt
+nobody uses any more ages out). Across processes: each process adds its own writes to the
+size it last measured and rescans the root (sizes and mtimes of every block) when that passes
+the capacity or after writing `capacity_bytes * rescan_fraction` bytes; one process evicts at a
+time (flock). The bound is exact for one writer; N concurrent writers may overshoot it by up to
+N * rescan_fraction * capacity_bytes (what the others wrote since their last rescan).
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import re
 import threading
 import time
 import uuid
@@ -29,6 +32,7 @@ from deepinfer.kvstore.base import KVBlockStore, logger
 BLOCK_SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_AGE_S = 3600.0  # temp files of crashed writers older than this are removed on rescan
+_SALT_DIR = re.compile(r"[0-9a-f]{32}")  # only these are scanned (and evicted from) in the root
 
 
 def default_store_root() -> Path:
@@ -49,7 +53,8 @@ class FsKVBlockStore(KVBlockStore):
             raise ValueError("capacity_bytes must be > 0 or None")
         if not 0.0 < low_watermark <= 1.0 or not 0.0 < rescan_fraction <= 1.0:
             raise ValueError("low_watermark and rescan_fraction must be in (0, 1]")
-        self.directory = Path(root if root is not None else default_store_root()) / self.salt.hex()
+        self.root = Path(root if root is not None else default_store_root())
+        self.directory = self.root / self.salt.hex()
         self.capacity_bytes = capacity_bytes
         self.low_watermark = low_watermark
         self.rescan_fraction = rescan_fraction
@@ -115,21 +120,23 @@ class FsKVBlockStore(KVBlockStore):
             self.evict()
 
     def scan(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of every block file; removes stale temp files on the way."""
+        """(mtime, size, path) of every block file under the root (every salt's); removes
+        stale temp files on the way."""
         entries: list[tuple[float, int, Path]] = []
         now = self.clock()
-        if not self.directory.is_dir():
-            return entries
-        for shard in os.scandir(self.directory):
-            if not shard.is_dir():
+        for salt_dir in _subdirs(self.root):
+            if not _SALT_DIR.fullmatch(salt_dir.name):
                 continue
-            for entry in os.scandir(shard.path):
+            for shard in _subdirs(salt_dir.path):
                 with contextlib.suppress(FileNotFoundError):
-                    st = entry.stat()
-                    if entry.name.endswith(BLOCK_SUFFIX):
-                        entries.append((st.st_mtime, st.st_size, Path(entry.path)))
-                    elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_AGE_S:
-                        os.unlink(entry.path)
+                    for entry in os.scandir(shard.path):
+                        with contextlib.suppress(FileNotFoundError):
+                            st = entry.stat()
+                            if entry.name.endswith(BLOCK_SUFFIX):
+                                entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+                            elif (entry.name.endswith(TMP_SUFFIX)
+                                  and now - st.st_mtime > STALE_TMP_AGE_S):
+                                os.unlink(entry.path)
         return entries
 
     def evict(self) -> int:
@@ -139,8 +146,8 @@ class FsKVBlockStore(KVBlockStore):
         """
         if self.capacity_bytes is None:
             return 0
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / ".evict.lock", "a+b") as lock_file:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".evict.lock", "a+b") as lock_file:
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -163,7 +170,7 @@ class FsKVBlockStore(KVBlockStore):
                     path.unlink()
                     removed += 1
                 total -= size
-            logger.debug("kvstore(fs): evicted %d blocks from %s", removed, self.directory)
+            logger.debug("kvstore(fs): evicted %d blocks from %s", removed, self.root)
         with self._size_lock:
             self._measured_bytes = total
             self._bytes_since_scan = 0
@@ -171,5 +178,13 @@ class FsKVBlockStore(KVBlockStore):
         return removed
 
     def num_bytes(self) -> int:
-        """Bytes of block files in the directory now (a scan)."""
+        """Bytes of block files under the root now, every salt's (a scan)."""
         return sum(size for _, size, _ in self.scan())
+
+
+def _subdirs(path: str | os.PathLike) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return [e for e in it if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []

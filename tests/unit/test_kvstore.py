@@ -9,6 +9,7 @@ import pytest
 
 from deepinfer.core.prefix_hash import hash_request_blocks, salt_hash
 from deepinfer.kvstore import KVStoreWriter, open_store
+from deepinfer.kvstore.factory import DEFAULT_FS_CAPACITY_BYTES, with_capacity
 from deepinfer.kvstore.block_codec import HEADER_LEN
 from deepinfer.kvstore.fs_store import FsKVBlockStore, default_store_root
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
@@ -175,6 +176,55 @@ def test_factory_urls(tmp_path):
             open_store(bad, SALT)
     with pytest.raises(ValueError, match="salt"):
         open_store("memory", b"short")
+
+
+def test_fs_store_is_bounded_by_default_and_takes_a_capacity_option(tmp_path):
+    assert open_store("fs", SALT).capacity_bytes == DEFAULT_FS_CAPACITY_BYTES
+    assert open_store(str(tmp_path), SALT).capacity_bytes == DEFAULT_FS_CAPACITY_BYTES
+    assert open_store(f"fs://{tmp_path}?capacity_bytes=5000", SALT).capacity_bytes == 5000
+    assert open_store(f"{tmp_path}?capacity_bytes=7", SALT).directory == tmp_path / SALT.hex()
+    assert open_store(str(tmp_path), SALT, capacity_bytes=9).capacity_bytes == 9
+    assert open_store("memory", SALT).capacity_bytes is None
+    assert open_store("memory?capacity_bytes=100", SALT).capacity_bytes == 100
+    url = with_capacity("fs", 2**30)
+    assert url == "fs?capacity_bytes=1073741824"
+    assert open_store(url, SALT).capacity_bytes == 2**30
+    assert open_store(with_capacity("fs:///x?", 3), SALT).capacity_bytes == 3
+    for bad, msg in [(f"{tmp_path}?capacity_bytes=0", "positive"),
+                     (f"{tmp_path}?capacity_bytes=1GiB", "integer"),
+                     (f"{tmp_path}?ttl_s=5", "unknown fs/memory store option")]:
+        with pytest.raises(ValueError, match=msg):
+            open_store(bad, SALT)
+    with pytest.raises(ValueError, match="given twice"):
+        open_store("memory?capacity_bytes=100", SALT, capacity_bytes=5)
+    with pytest.raises(ValueError, match="maxmemory"):
+        with_capacity("redis://h:1/0", 100)
+    with pytest.raises(ValueError, match="maxmemory"):
+        open_store("redis://h:1/0", SALT, capacity_bytes=100)
+    with pytest.raises(ValueError, match="already sets"):
+        with_capacity("fs?capacity_bytes=5", 100)
+
+
+def test_fs_capacity_bounds_every_salt_under_the_root_together(tmp_path):
+    """The default root is the user's cache, shared by every model served on the machine:
+    blocks of a salt nobody uses any more are evicted too (least recently used first)."""
+    clock = FakeClock()
+    block_bytes = HEADER_LEN + 1000
+    cap = int(6.5 * block_bytes)
+    old = FsKVBlockStore(salt_hash("retired model"), tmp_path, capacity_bytes=cap, clock=clock)
+    for i in range(6):
+        clock.t += 1
+        old.put(HASHES[i], payload(i))
+    (tmp_path / "not-a-store").mkdir()
+    (tmp_path / "not-a-store" / "keep.kvb").write_bytes(b"x" * 10 * block_bytes)
+    new = FsKVBlockStore(SALT, tmp_path, capacity_bytes=cap, clock=clock)
+    for i in range(6):
+        clock.t += 1
+        new.put(HASHES[i], payload(i))
+        assert new.num_bytes() <= cap
+    assert all(new.contains(h) for h in HASHES[:6])
+    assert not any(old.contains(h) for h in HASHES[:6])
+    assert (tmp_path / "not-a-store" / "keep.kvb").exists()  # only salt dirs are touched
 
 
 def test_writer_writes_through_without_blocking(tmp_path):
