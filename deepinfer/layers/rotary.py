@@ -2,8 +2,10 @@
 
 The table covers every position up to `max_position_embeddings` and is built once at model
 construction, so a forward only gathers rows by position (no per-call trig or allocation of
-tables). Supported `rope_scaling` types: None/default, "linear", "llama3", and "freq_factors"
-(llama.cpp's `rope_freqs` tensor: per-frequency divisors, as stored in Llama 3.x GGUFs).
+tables). Supported `rope_scaling` types: None/default, "linear", "llama3", "yarn" (DeepSeek-V3,
+Qwen long context: blended frequencies and an attention factor folded into cos/sin), and
+"freq_factors" (llama.cpp's `rope_freqs` tensor: per-frequency divisors, as stored in Llama 3.x
+GGUFs). `apply_rotary_interleaved` is DeepSeek's pairwise (x0, x1), (x2, x3)... layout.
 """
 from __future__ import annotations
 
@@ -26,12 +28,56 @@ def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, A
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope_theta, rope_scaling)
     if rope_type == "freq_factors":
         factors = torch.tensor(rope_scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
         return inv_freq / factors
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other rope type)."""
+    if rope_scaling is None or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_get_mscale(factor, float(mscale)) / _yarn_get_mscale(factor, float(mscale_all_dim))
+    return _yarn_get_mscale(factor)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> Tensor:
+    """YaRN: extrapolate high frequencies, interpolate (divide by factor) low ones, with a
+    linear ramp between the dimensions that rotate beta_fast and beta_slow times."""
+    if scaling.get("factor") is None or scaling.get("original_max_position_embeddings") is None:
+        raise ValueError("yarn rope_scaling needs 'factor' and 'original_max_position_embeddings'")
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
@@ -67,9 +113,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
         t = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_pos, d/2], float32 like HF
+        scale = rope_attention_factor(rope_scaling)  # YaRN scales cos and sin alike
         # [max_pos, d] = cos | sin, cast once to the model dtype (HF casts cos/sin before use).
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype),
-                             persistent=False)
+        table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+        self.register_buffer("cos_sin_cache", table.to(dtype), persistent=False)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [T] -> cos, sin each [T, 1, d/2] (broadcast over heads)."""
@@ -85,4 +132,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, heads, d] -> x*cos + rotate_half(x)*sin, halves written out (no full-width cos/sin)."""
     x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's layout: pairs (x[2i], x[2i+1]) share frequency i. The output is written
+    de-interleaved (rotated evens | rotated odds), as the reference does; queries and keys get
+    the same permutation, so their dot products are unchanged."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

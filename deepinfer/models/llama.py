@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and
+with a sparse MoE MLP (`build_mlp`) Mixtral and Qwen3-MoE.
 
 Module names follow Hugging Face so checkpoint names map one-to-one, except two fusions that
 save matmuls on the hot path:
@@ -67,13 +68,22 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+def build_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    """The layer's feed-forward: dense SwiGLU, or a sparse MoE block (Mixtral, Qwen3-MoE,
+    DeepSeek-V3) on the layers its MoE config marks sparse."""
+    if config.moe is not None and config.moe.is_moe_layer(layer_idx):
+        from deepinfer.moe.layer import SparseMoEBlock
+        return SparseMoEBlock(config.moe, config.hidden_size, dtype)
+    return SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = build_mlp(config, layer_idx, dtype)
 
     def forward(self, cos: Tensor, sin: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
         hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), attn)

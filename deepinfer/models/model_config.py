@@ -1,4 +1,5 @@
-"""Architecture hyper-parameters of a dense decoder-only model (Llama family).
+"""Architecture hyper-parameters of a decoder-only model: dense Llama family, MoE (Mixtral,
+Qwen3-MoE) and DeepSeek-V3 (MoE + multi-head latent attention).
 
 Pure (stdlib only) so the cost model and simulator can read parameter counts and KV sizes
 without torch. Built from a Hugging Face `config.json` dict or from GGUF metadata
@@ -9,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from deepinfer.models.moe_config import MLAConfig, MoEConfig, mla_config_from_hf, moe_config_from_hf
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 
 # HF `architectures` entries -> our architecture name.
 HF_ARCHITECTURES = {
@@ -17,6 +20,9 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -47,6 +53,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    moe: MoEConfig | None = None  # MoE routing and which layers are sparse; None = dense
+    mla: MLAConfig | None = None  # DeepSeek latent attention; None = MHA/GQA
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -91,7 +99,13 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         eos_ids = tuple(dict.fromkeys(int(e) for e in eos_list))
-        use_sw = cfg.get("use_sliding_window", arch == "mistral")
+        use_sw = cfg.get("use_sliding_window", arch in ("mistral", "mixtral"))
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        mla = None
+        if arch == "deepseek_v3":
+            mla = mla_config_from_hf(cfg, rope_scaling)
+            # MLA has no K/V heads of its own: expanded keys have one per query head.
+            head_dim, num_kv_heads = mla.qk_head_dim, num_heads
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -99,7 +113,7 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
@@ -108,10 +122,12 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (its config has no flag); Llama/Qwen3 use the flag.
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=cfg.get("sliding_window") if use_sw else None,
+            moe=moe_config_from_hf(arch, cfg),
+            mla=mla,
         )
 
     # ---- sizes for the cost model and the KV cache ---------------------------------------
@@ -129,8 +145,13 @@ class ModelConfig:
         """HF Llama/Qwen3 put `attention_bias` on o_proj too; Qwen2 biases only q/k/v."""
         return self.attention_bias and self.architecture != "qwen2"
 
-    def num_layer_params(self) -> int:
-        """Parameters of one decoder layer (projections, biases, norms)."""
+    def num_layer_params(self, layer_idx: int = 0) -> int:
+        """Parameters of one decoder layer (projections, biases, norms, all experts)."""
+        return self._attention_params() + self._mlp_params(layer_idx, active=False) + 2 * self.hidden_size
+
+    def _attention_params(self) -> int:
+        if self.mla is not None:
+            return self._mla_params()
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -138,28 +159,65 @@ class ModelConfig:
             attn += self.hidden_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return attn + mlp + 2 * self.hidden_size
+        return attn
+
+    def _mla_params(self) -> int:
+        m, h, heads = self.mla, self.hidden_size, self.num_attention_heads
+        bias = self.attention_bias
+        if m.q_lora_rank is None:
+            q = h * heads * m.qk_head_dim
+        else:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+            q += m.q_lora_rank if bias else 0
+        kv = h * m.cache_entry_dim + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        kv += m.cache_entry_dim if bias else 0
+        o = heads * m.v_head_dim * h + (h if bias else 0)
+        return q + kv + o
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        """MLP weights of a layer; `active`: only what one token multiplies (top-k experts)."""
+        h, moe = self.hidden_size, self.moe
+        if moe is None or not moe.is_moe_layer(layer_idx):
+            return 3 * h * self.intermediate_size
+        num_routed = moe.num_experts_per_tok if active else moe.num_experts
+        params = moe.num_experts * h  # router
+        params += num_routed * 3 * h * moe.moe_intermediate_size
+        params += 3 * h * moe.shared_intermediate_size
+        if moe.use_correction_bias and not active:
+            params += moe.num_experts
+        return params
 
     def num_params(self) -> int:
         """Total distinct parameters (a tied lm_head counted once)."""
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
-        return embed + lm_head + self.num_hidden_layers * self.num_layer_params() + self.hidden_size
+        layers = sum(self.num_layer_params(i) for i in range(self.num_hidden_layers))
+        return embed + lm_head + layers + self.hidden_size
 
     def num_active_params(self) -> int:
         """Weights multiplied per token in the decoder layers (2 FLOPs each per token).
 
         Excludes the embedding lookup (no matmul) and the lm_head, which only runs on the
-        positions that are sampled; see `num_lm_head_params`."""
-        return self.num_hidden_layers * self.num_layer_params()
+        positions that are sampled; see `num_lm_head_params`. MoE layers count the router,
+        the top-k routed experts and the shared experts."""
+        per_layer = self._attention_params() + 2 * self.hidden_size
+        return sum(per_layer + self._mlp_params(i, active=True) for i in range(self.num_hidden_layers))
 
     def num_lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V cache one token occupies across all layers."""
+        """Bytes of KV cache one token occupies across all layers (MLA: latent + rope key)."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.cache_entry_dim * dtype_bytes
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+    def num_expert_params(self) -> int:
+        """Parameters of one routed expert summed over the MoE layers (0 for dense models)."""
+        if self.moe is None:
+            return 0
+        num_moe_layers = sum(self.moe.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        return num_moe_layers * 3 * self.hidden_size * self.moe.moe_intermediate_size
 
 
 def _architecture_of(cfg: dict[str, Any]) -> str:

@@ -12,7 +12,14 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,  # Llama attention + sparse MoE MLP (layers built by build_mlp)
+    "qwen3_moe": LlamaForCausalLM,
 }
+
+
+def _deepseek_v3_class() -> type[nn.Module]:
+    from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM
 
 # GGUF `general.architecture` -> our architecture name (llama.cpp writes Mistral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -42,6 +49,8 @@ def architecture_from_gguf(name: str) -> str:
 def get_model_class(architecture: str) -> type[nn.Module]:
     """Class for our architecture name, an HF `architectures` entry or a GGUF architecture."""
     arch = HF_ARCHITECTURES.get(architecture, architecture)
+    if arch == "deepseek_v3":
+        return _deepseek_v3_class()
     if arch not in _MODEL_CLASSES:
         raise _unsupported("model", architecture, {**_MODEL_CLASSES, **HF_ARCHITECTURES})
     return _MODEL_CLASSES[arch]

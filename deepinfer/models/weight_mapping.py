@@ -39,34 +39,57 @@ def fused_shard_target(name: str, q_size: int, kv_size: int, intermediate_size: 
     return None
 
 
+def _destination(name: str, config, params: dict[str, nn.Parameter]) -> tuple[str, Tensor]:
+    """(our parameter name, the view of it that checkpoint tensor `name` fills)."""
+    from deepinfer.models.moe_weight_mapping import expert_shard_target
+
+    expert = expert_shard_target(name, config)
+    if expert is not None:
+        param = params.get(expert.param_name)
+        if param is None:
+            raise ValueError(f"unexpected checkpoint tensor {name!r} for {config.architecture} model")
+        dest = param.data if expert.expert_id is None else param.data[expert.expert_id]
+        if expert.num_rows is not None:
+            dest = dest.narrow(0, expert.row_offset, expert.num_rows)
+        return expert.param_name, dest
+    # MLA attention keeps HF's unfused projections; only the MLP halves are fused.
+    target = fused_shard_target(name, config.q_size, config.kv_size, config.intermediate_size)
+    if target is not None and config.mla is not None and ".self_attn." in name:
+        target = None
+    param_name = target.param_name if target else name
+    param = params.get(param_name)
+    if param is None:
+        raise ValueError(f"unexpected checkpoint tensor {name!r} for {config.architecture} model")
+    dest = param.data if target is None else param.data.narrow(0, target.row_offset, target.num_rows)
+    return param_name, dest
+
+
 def load_hf_named_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]]) -> None:
-    """Fill `model` (a LlamaForCausalLM) from HF-named tensors; see LlamaForCausalLM.load_weights."""
+    """Fill `model` from HF-named tensors; see LlamaForCausalLM.load_weights."""
+    from deepinfer.models.moe_weight_mapping import is_extra_layer, normalize_moe_name
+
     config = model.config
     params = dict(model.named_parameters())
-    rows_filled = {name: 0 for name in params}
+    filled = {name: 0 for name in params}  # elements written, to find gaps
     seen: set[str] = set()
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or is_extra_layer(name, config):
             continue
+        name = normalize_moe_name(name)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: logits reuse embed_tokens.weight
         if name in seen:
             raise ValueError(f"checkpoint tensor {name!r} appears twice")
         seen.add(name)
-        target = fused_shard_target(name, config.q_size, config.kv_size, config.intermediate_size)
-        param_name = target.param_name if target else name
-        param = params.get(param_name)
-        if param is None:
-            raise ValueError(f"unexpected checkpoint tensor {name!r} for {config.architecture} model")
-        dest = param.data if target is None else param.data.narrow(0, target.row_offset, target.num_rows)
+        param_name, dest = _destination(name, config, params)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         with torch.no_grad():
             dest.copy_(tensor)  # casts to the parameter dtype
-        rows_filled[param_name] += dest.shape[0] if dest.dim() else 1
-    missing = [n for n, p in params.items() if rows_filled[n] != (p.shape[0] if p.dim() else 1)]
+        filled[param_name] += dest.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing weights for: {shown}")

@@ -1,0 +1,177 @@
+"""Mixture-of-experts and multi-head latent attention (MLA) hyper-parameters. Pure: stdlib only.
+
+Parsed from a Hugging Face `config.json` dict for Mixtral, Qwen3-MoE and DeepSeek-V3. Values
+this engine does not implement (an unknown `scoring_func`, `topk_method`, activation, ...)
+raise ValueError at load time: a model must never run with silently different routing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How one MoE layer routes and which layers are MoE.
+
+    Routing (see `deepinfer.moe.routing.select_experts`):
+      scores = softmax(logits) or sigmoid(logits)
+      selection uses scores (+ `e_score_correction_bias` when `use_correction_bias`), first
+      restricted to the best `topk_group` of `n_group` expert groups when `n_group > 1`;
+      weights are the *unbiased* scores of the chosen experts, renormalised to sum 1 when
+      `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    use_correction_bias: bool = False
+    num_shared_experts: int = 0
+    # Layer indices whose MLP is dense (config.intermediate_size) instead of MoE.
+    dense_layers: frozenset[int] = frozenset()
+    # DeepSeek computes the router in fp32 (HF keeps gate.weight in fp32).
+    router_fp32: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring_func!r}; "
+                             f"supported: {', '.join(SCORING_FUNCS)}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+            raise ValueError("topk_group groups hold fewer experts than num_experts_per_tok")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the shared-expert MLP (DeepSeek fuses its shared experts into one)."""
+        return self.num_shared_experts * self.moe_intermediate_size
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek multi-head latent attention.
+
+    Per token the cache keeps the normalised latent `c_kv` [kv_lora_rank] and the shared,
+    roped key `k_pe` [qk_rope_head_dim]; per-head keys/values are `kv_b_proj(c_kv)`.
+    `softmax_scale` already includes YaRN's mscale² correction.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_entry_dim(self) -> int:
+        """Values one token occupies per layer in the latent cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _require_silu(cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
+
+
+def moe_config_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    """The MoE part of an HF config for `arch`, or None for dense architectures."""
+    if arch == "mixtral":
+        _require_silu(cfg)
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True)
+    if arch == "qwen3_moe":
+        _require_silu(cfg)
+        num_layers = int(cfg["num_hidden_layers"])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+        dense = frozenset(i for i in range(num_layers)
+                          if i in mlp_only or num_experts == 0 or (i + 1) % step != 0)
+        return MoEConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            dense_layers=dense)
+    if arch == "deepseek_v3":
+        _require_silu(cfg)
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ValueError(f"unsupported scoring_func {scoring!r} for DeepSeek-V3 (supported: sigmoid)")
+        method = cfg.get("topk_method", "noaux_tc")
+        if method != "noaux_tc":
+            raise ValueError(f"unsupported topk_method {method!r} for DeepSeek-V3 (supported: noaux_tc)")
+        num_layers = int(cfg["num_hidden_layers"])
+        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        if freq != 1:
+            raise ValueError(f"unsupported moe_layer_freq {freq} (supported: 1)")
+        return MoEConfig(
+            num_experts=int(cfg["n_routed_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            scoring_func="sigmoid",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            use_correction_bias=True,
+            num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            dense_layers=frozenset(range(min(first_dense, num_layers))),
+            router_fp32=True)
+    return None
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_config_from_hf(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> MLAConfig:
+    q_lora = cfg.get("q_lora_rank")
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
+    scale = (nope + rope) ** -0.5
+    if rope_scaling is not None:  # DeepSeek: softmax scale *= mscale(factor, mscale_all_dim)²
+        mscale_all_dim = rope_scaling.get("mscale_all_dim") or 0
+        if mscale_all_dim:
+            m = yarn_get_mscale(float(rope_scaling["factor"]), float(mscale_all_dim))
+            scale *= m * m
+    return MLAConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        softmax_scale=scale)

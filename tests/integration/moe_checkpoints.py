@@ -1,0 +1,85 @@
+"""Tiny random-weight MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3) for reference tests.
+
+Every parameter is re-drawn from a seeded generator. Router weights are drawn ~6x larger than
+the rest so that expert choices are decisive (top-k score gaps far above fp32 noise), and
+DeepSeek's `e_score_correction_bias` is non-zero so that selection differs from the weights.
+Checkpoints are written by transformers' `save_pretrained` (per-expert tensors).
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 256
+
+_ATTN = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+             max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)
+
+
+def tiny_moe_config(kind: str):
+    """A transformers config for one of MOE_KINDS."""
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    if kind == "mixtral":
+        return MixtralConfig(**_ATTN, num_key_value_heads=2, intermediate_size=48,
+                             num_local_experts=8, num_experts_per_tok=2, rope_theta=1000.0,
+                             sliding_window=None)
+    if kind == "qwen3_moe":  # softmax top-k without renormalisation, explicit head_dim
+        return Qwen3MoeConfig(**_ATTN, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+                              norm_topk_prob=False, rope_theta=1000.0)
+    if kind == "qwen3_moe_sparse_step":  # every 2nd layer sparse, layer 3 forced dense, renormalised
+        cfg = dict(_ATTN, num_hidden_layers=4)
+        return Qwen3MoeConfig(**cfg, num_key_value_heads=1, intermediate_size=80,
+                              moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
+                              norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3],
+                              rope_theta=1000.0)
+    if kind == "deepseek_v3":  # q_lora, grouped routing with bias, dense first layer, YaRN, interleaved rope
+        return DeepseekV3Config(
+            **_ATTN, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=24, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256, "mscale": 0.9,
+                             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    if kind == "deepseek_v3_no_q_lora":  # plain q_proj, one group, no renorm, plain rope layout
+        return DeepseekV3Config(
+            **_ATTN, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=6,
+            n_shared_experts=2, num_experts_per_tok=3, n_group=1, topk_group=1,
+            first_k_dense_replace=0, routed_scaling_factor=1.5, norm_topk_prob=False,
+            q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=16, rope_interleave=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    raise ValueError(kind)
+
+
+MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora"]
+
+
+def tiny_moe_model(kind: str, seed: int = 0):
+    """A seeded fp32 transformers model with every parameter (and the DeepSeek bias) random."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_moe_config(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # routers: decisive expert choices
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    return model
+
+
+def random_prompts(seed: int, lengths=(1, 7, 40)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
