@@ -5,6 +5,10 @@ Computes the block hashes of a fixed token sequence itself (no hashes are passed
   read    reads every block, checks each payload; prints the hashes and the store's stats
   churn   deletes and rewrites every block in a loop for SECONDS (concurrent writers)
   poll    reads every block in a loop for SECONDS, checking each payload it gets
+and, over a longer chain of `LONG_BLOCKS` blocks of `FILL_BYTES` (`python kvstore_child.py
+MODE URL ARG`; a capacity goes in the URL, `?capacity_bytes=N`):
+  fill    puts blocks FIRST..FIRST+COUNT-1 (ARG = "FIRST:COUNT")
+  touch   reads the blocks listed in ARG ("0,3,5"), checking each payload
 Output: one JSON line on stdout.
 """
 from __future__ import annotations
@@ -20,6 +24,34 @@ from deepinfer.kvstore import open_store
 BLOCK_SIZE = 16
 TOKENS = [(i * 7919 + 13) % 49152 for i in range(BLOCK_SIZE * 12)]
 SALT = salt_hash("HuggingFaceTB/SmolLM2-135M-Instruct", "float32", str(BLOCK_SIZE), "test")
+LONG_BLOCKS = 256
+LONG_TOKENS = [(i * 104729 + 7) % 49152 for i in range(BLOCK_SIZE * LONG_BLOCKS)]
+FILL_BYTES = 16 * 1024
+
+
+def long_hashes() -> list[bytes]:
+    return hash_request_blocks(LONG_TOKENS, BLOCK_SIZE, parent=SALT)
+
+
+def long_payload(i: int) -> bytes:
+    return i.to_bytes(4, "little") * (FILL_BYTES // 4)
+
+
+def fill_or_touch(mode: str, url: str, arg: str) -> dict:
+    hashes = long_hashes()
+    store = open_store(url, SALT)
+    bad = 0
+    if mode == "fill":
+        first, count = map(int, arg.split(":"))
+        for i in range(first, first + count):
+            store.put(hashes[i], long_payload(i))
+    else:
+        for i in map(int, arg.split(",")):
+            bad += store.get(hashes[i]) != long_payload(i)
+    result = {"bad_payloads": bad, "stats": asdict(store.stats()),
+              "capacity_bytes": store.capacity_bytes}
+    store.close()
+    return result
 
 
 def block_payload(i: int, size: int) -> bytes:
@@ -29,6 +61,9 @@ def block_payload(i: int, size: int) -> bytes:
 
 def main() -> None:
     mode, url = sys.argv[1], sys.argv[2]
+    if mode in ("fill", "touch"):
+        print(json.dumps(fill_or_touch(mode, url, sys.argv[3])))
+        return
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     size = 64 * 1024 if mode in ("churn", "poll") else 4096
     hashes = hash_request_blocks(TOKENS, BLOCK_SIZE, parent=SALT)
