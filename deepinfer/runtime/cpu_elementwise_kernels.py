@@ -3,17 +3,25 @@
 `install_elementwise_kernels(model)` hands the loaded kernels to each bf16 RMSNorm and
 SwiGLU MLP of a CPU model (an explicit per-module attribute, no global switch); the modules
 fall back to their torch code for any other dtype, device or a non-contiguous input.
+Each op is first checked against torch on a few shapes (odd widths, widths that are not a
+multiple of the vector length or of the kernel's chunk, serial and threaded row counts,
+gates far in both tails); an op that disagrees is not installed (cpu_kernel_build.self_test).
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepinfer.runtime.cpu_kernel_build import load_kernel_library
+from deepinfer.runtime.cpu_kernel_build import load_kernel_library, mismatch, self_test
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# Rows: below and above each kernel's threading threshold (16 and 64 rows).
+_SELF_TEST_ROWS = (1, 17, 70)
+_SELF_TEST_WIDTHS = (1, 7, 64, 257, 577)
+_TOL = 1e-2  # about one bf16 step: inputs are the same bf16 values on both sides
 
 
 class ElementwiseKernels:
@@ -43,6 +51,38 @@ class ElementwiseKernels:
         return out
 
 
+def rms_norm_mismatch(kernels: ElementwiseKernels) -> str | None:
+    """First disagreement of the RMSNorm kernel with F.rms_norm in float32, or None."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in _SELF_TEST_ROWS:
+        for width in _SELF_TEST_WIDTHS:
+            x = (3 * torch.randn(rows, width, generator=gen)).bfloat16()
+            weight = torch.randn(width, generator=gen).bfloat16()
+            want = F.rms_norm(x.float(), (width,), weight.float(), 1e-6)
+            problem = mismatch(kernels.rms_norm(x, weight, 1e-6), want, _TOL, _TOL,
+                               f"rms_norm rows={rows}, width={width}")
+            if problem is not None:
+                return problem
+    return None
+
+
+def silu_and_mul_mismatch(kernels: ElementwiseKernels) -> str | None:
+    """First disagreement of the SiLU-and-mul kernel with F.silu(gate) * up, or None."""
+    gen = torch.Generator().manual_seed(1)
+    tails = torch.tensor([-1000.0, -100.0, -88.5, 88.5, 100.0])  # exp overflow either way
+    for rows in _SELF_TEST_ROWS:
+        for width in _SELF_TEST_WIDTHS:
+            gate_up = 4 * torch.randn(rows, 2 * width, generator=gen)
+            gate_up[0, :min(width, len(tails))] = tails[:width]
+            gate_up = gate_up.bfloat16()
+            gate, up = gate_up.float().split(width, dim=-1)
+            problem = mismatch(kernels.silu_and_mul(gate_up), F.silu(gate) * up, _TOL, _TOL,
+                               f"silu_and_mul rows={rows}, width={width}")
+            if problem is not None:
+                return problem
+    return None
+
+
 def install_elementwise_kernels(model: nn.Module) -> int:
     """Give the bf16 CPU norms and MLPs of `model` the fused kernels; returns how many."""
     from deepinfer.layers.mlp import SwiGLUMLP
@@ -56,6 +96,10 @@ def install_elementwise_kernels(model: nn.Module) -> int:
     if lib is None:
         return 0
     kernels = ElementwiseKernels(lib)
+    verified = {RMSNorm: self_test(lib, "rms_norm_bf16", lambda: rms_norm_mismatch(kernels)),
+                SwiGLUMLP: self_test(lib, "silu_and_mul_bf16",
+                                     lambda: silu_and_mul_mismatch(kernels))}
+    targets = [m for m in targets if verified[RMSNorm if isinstance(m, RMSNorm) else SwiGLUMLP]]
     for module in targets:
         module.cpu_kernels = kernels
     return len(targets)

@@ -60,7 +60,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *tables, const int6
                 const T *qp = q + ((int64_t)b * KV * G + (int64_t)h * G + g) * D;               \
                 LOAD(qf[g], qp, D);                                                             \
                 for (int d = 0; d < D; d++) qf[g][d] *= scale;                                  \
-                mx[g] = -FLT_MAX; sum[g] = 0.f; /* finite: built with -ffast-math */       \
+                mx[g] = -FLT_MAX; sum[g] = 0.f; /* finite: built with -ffast-math */            \
                 for (int d = 0; d < D; d++) acc[g][d] = 0.f;                                    \
             }                                                                                   \
             for (int64_t t = 0; t < len; t++) {                                                 \
