@@ -59,3 +59,23 @@ def default_model_fp32(default_model_source):
 
     from deepinfer.runtime.model_source import load_model
     return load_model(default_model_source, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# API server robustness (tests/integration/test_api_fuzz.py, test_engine_restart.py): ONE small
+# real `deepinfer serve` per session (short context, so any valid fuzzed request is cheap). The
+# restart test kills its engine, so it runs after the fuzz (file order) and heals it.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def small_server():
+    """A started `ServeProcess` (no API key, no waiting limit, --max-model-len 64)."""
+    from tests.integration.serve_process import SMALL_SERVER_ARGS, ServeProcess
+    server = ServeProcess(*SMALL_SERVER_ARGS)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, f"server did not stop cleanly ({code})"

@@ -23,6 +23,9 @@ def register(sub) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 when this many requests are already waiting")
+    g.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restart a dead engine process (with back-off) up to this many times "
+                        "in a row; 0: never (default: 5)")
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--demo", action="store_true",
                    help="send one chat request with the openai client once ready, print it")
@@ -71,14 +74,18 @@ def _run(args) -> int:
     from deepinfer.cli.main import CLIError
     from deepinfer.server.api_server import ServerConfig, run_server
     from deepinfer.server.engine_client import EngineDeadError
+    from deepinfer.server.engine_supervisor import EngineRestartPolicy
 
     engine_config = engine_config_from_args(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise CLIError("--max-waiting-requests must be at least 1")
+    if args.max_engine_restarts < 0:
+        raise CLIError("--max-engine-restarts must be >= 0")
     _check_port_free(args.host, args.port)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
-                          log_level=args.uvicorn_log_level)
+                          log_level=args.uvicorn_log_level,
+                          engine_restart=EngineRestartPolicy(args.max_engine_restarts))
     if args.demo:
         def on_ready(host: str, port: int) -> None:
             try:

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.server.admission import AdmissionGate
 from deepinfer.server.engine_client import EngineClient
+from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.errors import APIError, from_validation_error
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepinfer.server.protocol import (
@@ -37,6 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int | None = None
     log_level: str = "warning"
+    engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
 
 
 class _ClientDisconnected(Exception):
@@ -114,7 +116,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         return APIError(exc.status_code, str(exc.detail), type=kind).to_response()
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> Response:  # 503 while the engine is down or restarting
         return Response(status_code=200 if client.is_healthy else 503)
 
     @app.get("/metrics")
@@ -158,7 +160,8 @@ async def run_server(engine_config, config: ServerConfig, on_ready=None, client=
     `cluster.disagg_client.DisaggClient`); default: one colocated engine process."""
     import uvicorn
 
-    client = client or EngineClient(engine_config, log_level=config.log_level)
+    client = client or EngineClient(engine_config, log_level=config.log_level,
+                                    restart_policy=config.engine_restart)
     try:
         await client.start()
         app = build_app(client, config)

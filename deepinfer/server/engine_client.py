@@ -3,6 +3,11 @@
 Each request gets an `asyncio.Queue` of `RequestDelta`s filled by one background task that
 reads the engine's output socket; `generate()` yields from it and aborts the request in the
 engine if the caller stops early (client disconnect, error, cancellation).
+
+When the engine process dies, every request in flight fails at once with `EngineDeadError`
+and the client is unhealthy until `EngineSupervisor` (engine_supervisor.py) has started a new
+engine and seen its first report. Each engine incarnation gets fresh sockets, so nothing
+queued for a dead engine can reach its successor.
 """
 from __future__ import annotations
 
@@ -12,15 +17,18 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_proc import run_engine_proc
+from deepinfer.server.engine_supervisor import EngineRestartPolicy, EngineSupervisor
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
     RequestDelta, Shutdown, make_encoder, make_engine_decoder,
@@ -41,10 +49,12 @@ class _RequestFailed:
 
 
 class EngineClient:
-    """Starts the engine process and multiplexes requests over its sockets."""
+    """Starts the engine process, multiplexes requests over its sockets, and (with a restart
+    policy) restarts it when it dies."""
 
     def __init__(self, engine_config, *, ready_timeout_s: float = 600.0,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING",
+                 restart_policy: EngineRestartPolicy | None = None) -> None:
         self.engine_config = engine_config
         self.ready_timeout_s = ready_timeout_s
         self.log_level = log_level
@@ -52,75 +62,149 @@ class EngineClient:
         self.max_model_len = 0
         self.vocab_size = 0
         self.tokenizer = None
-        self.stats = EngineStatsSnapshot()
-        self.dead_message: str | None = None
+        self.dead_message: str | None = "engine not started"
+        self.num_restarts = 0  # engines started after the first one died
+        self._stats = EngineStatsSnapshot()
+        self._stats_base = EngineStatsSnapshot()  # counters of engines that died
         self._queues: dict[str, asyncio.Queue] = {}
-        self._num_requests_sent = 0
+        self._num_requests_sent = 0  # to the current engine
         self._encoder = make_encoder()
         self._decoder = make_engine_decoder()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
+        self._incarnation = 0
+        self._healthy_since = 0.0
+        self._dead_event: asyncio.Event | None = None
+        self._supervisor = EngineSupervisor(self, restart_policy or EngineRestartPolicy(0))
         self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.bind(f"ipc://{self._ipc_dir}/input")
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self._input: zmq.asyncio.Socket | None = None
+        self._output: zmq.asyncio.Socket | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Spawn the engine process and wait until it has loaded the model."""
+        self._dead_event = asyncio.Event()
+        await self._start_engine()
+        self._supervisor.start()
+
+    async def restart_engine(self) -> None:
+        """Start a new engine after the last one died (the supervisor calls this)."""
+        await self._start_engine()
+        self.num_restarts += 1
+
+    async def wait_dead(self) -> float:
+        """Wait until the current engine dies; returns how long it had been healthy (s)."""
+        await self._dead_event.wait()
+        return time.monotonic() - self._healthy_since
+
+    async def _start_engine(self) -> None:
+        """Fresh sockets, a new process, its EngineReady and first report; then healthy.
+        Raises EngineDeadError (the new process cleaned up) if it does not come up."""
+        self._incarnation += 1
+        name = f"ipc://{self._ipc_dir}/%s-{self._incarnation}"
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(name % "input")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(name % "output")
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_proc, name="deepinfer-engine", daemon=True,
-            args=(self.engine_config, f"ipc://{self._ipc_dir}/input",
-                  f"ipc://{self._ipc_dir}/output", os.getpid(), self.log_level))
+            args=(self.engine_config, name % "input", name % "output", os.getpid(),
+                  self.log_level))
         self._proc.start()
-        ready = await self._wait_ready()
+        try:
+            ready = await self._wait_ready()
+            first_report = await self._wait_first_report()
+        except BaseException:
+            await self._reap(self._proc, self._input, self._output)
+            raise
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.tokenizer = pickle.loads(ready.tokenizer_pickle)
-        self._output_task = asyncio.create_task(self._output_loop(), name="engine-output-loop")
+        self.tokenizer = self.tokenizer or pickle.loads(ready.tokenizer_pickle)
+        self._stats_base = _add_counters(self._stats_base, self._stats)
+        self._stats = first_report.stats or EngineStatsSnapshot()
+        self._num_requests_sent = 0
+        self._dead_event.clear()
+        self._healthy_since = time.monotonic()
+        self.dead_message = None  # re-admit traffic
+        self._output_task = asyncio.create_task(
+            self._output_loop(self._proc, self._input, self._output),
+            name=f"engine-output-loop-{self._incarnation}")
 
-    async def _wait_ready(self) -> EngineReady:
+    async def _recv_until(self, kind, what: str):
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if await self._output.poll(500):
                 message = self._decoder.decode(await self._output.recv())
-                if isinstance(message, EngineReady):
+                if isinstance(message, kind):
                     return message
                 if isinstance(message, EngineDead):
                     raise EngineDeadError(f"engine failed to start:\n{message.message}")
             elif not self._proc.is_alive():
                 raise EngineDeadError(f"engine process exited with code {self._proc.exitcode}")
-        raise EngineDeadError(f"engine not ready after {self.ready_timeout_s:.0f} s")
+        raise EngineDeadError(f"engine {what} after {self.ready_timeout_s:.0f} s")
+
+    async def _wait_ready(self) -> EngineReady:
+        return await self._recv_until(EngineReady, "not ready")
+
+    async def _wait_first_report(self) -> EngineOutputs:
+        """The loop's first message: proof that it runs, not only that the model loaded."""
+        return await self._recv_until(EngineOutputs, "sent no report")
 
     async def shutdown(self) -> None:
+        await self._supervisor.stop()
         if self._proc is not None and self._proc.is_alive():
-            await self._input.send(self._encoder.encode(Shutdown()))
-            await asyncio.to_thread(self._proc.join, 10)
-            if self._proc.is_alive():
-                self._proc.terminate()
+            try:
+                await self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                await asyncio.to_thread(self._proc.join, 10)
+            except zmq.ZMQError:
+                pass
         if self._output_task is not None:
             self._output_task.cancel()
-        self._input.close(linger=0)
-        self._output.close(linger=0)
+            await asyncio.gather(self._output_task, return_exceptions=True)
+        await self._reap(self._proc, self._input, self._output)
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @staticmethod
+    async def _reap(proc, *sockets) -> None:
+        """Make sure `proc` is gone and close its sockets (dropping anything queued)."""
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            await asyncio.to_thread(proc.join, 10)
+        for sock in sockets:
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
 
     @property
     def is_healthy(self) -> bool:
         return (self.dead_message is None and self._proc is not None and self._proc.is_alive())
 
     @property
+    def supervisor(self) -> EngineSupervisor:
+        return self._supervisor
+
+    @property
+    def stats(self) -> EngineStatsSnapshot:
+        """The current engine's gauges; counters summed over every engine incarnation."""
+        return _add_counters(self._stats_base, self._stats)
+
+    @property
     def num_waiting_requests(self) -> int:
         """Requests queued in the engine plus those sent but not yet seen by it."""
-        in_flight = self._num_requests_sent - self.stats.num_requests_received
-        return max(0, in_flight) + self.stats.num_waiting
+        in_flight = self._num_requests_sent - self._stats.num_requests_received
+        return max(0, in_flight) + self._stats.num_waiting
+
+    def register_metrics(self, registry) -> None:
+        """`deepinfer:engine_restarts_total` on the server's Prometheus registry."""
+        from deepinfer.server.metrics import EngineRestartsCollector
+        registry.register(EngineRestartsCollector(lambda: self.num_restarts, self.model_name))
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -155,20 +239,30 @@ class EngineClient:
                 await self.abort([request_id])
 
     async def abort(self, request_ids: list[str]) -> None:
-        await self._send(AbortRequest(list(request_ids)))
+        try:
+            await self._send(AbortRequest(list(request_ids)))
+        except EngineDeadError:
+            pass  # a dead engine holds no state to free
 
     async def _send(self, message) -> None:
-        await self._input.send(self._encoder.encode(message), copy=False)
+        """Never blocks (unbounded queue): no engine connected means it is gone."""
+        try:
+            await self._input.send(self._encoder.encode(message), copy=False,
+                                   flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"engine is not reachable ({e})") from None
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, proc, input_socket, output_socket) -> None:
+        """Dispatch one engine's outputs until it dies (or the client shuts down)."""
         while True:
             try:
-                if not await self._output.poll(1000):
-                    if not self._proc.is_alive():
-                        self._fail_all(f"engine process exited ({self._proc.exitcode})")
+                if not await output_socket.poll(500):
+                    if not proc.is_alive():
+                        await self._on_engine_dead(proc, input_socket, output_socket,
+                                                   _exit_message(proc.exitcode))
                         return
                     continue
-                message = self._decoder.decode(await self._output.recv())
+                message = self._decoder.decode(await output_socket.recv())
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a corrupt frame must not kill the front
@@ -177,12 +271,13 @@ class EngineClient:
             if isinstance(message, EngineOutputs):
                 self._dispatch(message)
             elif isinstance(message, EngineDead):
-                self._fail_all(message.message)
+                await self._on_engine_dead(proc, input_socket, output_socket,
+                                           f"the engine failed: {message.message}")
                 return
 
     def _dispatch(self, message: EngineOutputs) -> None:
         if message.stats is not None:
-            self.stats = message.stats
+            self._stats = message.stats
         for delta in message.outputs:
             queue = self._queues.get(delta.request_id)
             if queue is not None:  # absent: the caller already left and aborted
@@ -192,8 +287,38 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(_RequestFailed(ValueError(error.message)))
 
+    async def _on_engine_dead(self, proc, input_socket, output_socket, message: str) -> None:
+        if self._supervisor.policy.max_restarts > 0:
+            message += "; the server is restarting it"
+        self._fail_all(message)
+        await self._reap(proc, input_socket, output_socket)
+        self._dead_event.set()
+
     def _fail_all(self, message: str) -> None:
+        """Unhealthy from now on; every request in flight fails with `message`."""
         logger.error("engine died: %s", message)
         self.dead_message = message
         for queue in self._queues.values():
             queue.put_nowait(_RequestFailed(EngineDeadError(message)))
+
+
+def _exit_message(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the engine process was killed by {name}"
+    return f"the engine process exited with code {exitcode}"
+
+
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+             "prediction_abs_error_sum", "num_predicted_steps")
+
+
+def _add_counters(base: EngineStatsSnapshot, current: EngineStatsSnapshot
+                  ) -> EngineStatsSnapshot:
+    """`current` with the cumulative counters of `base` added (Prometheus counters must not
+    go back to 0 when the engine is restarted)."""
+    return msgspec.structs.replace(current, **{
+        name: getattr(base, name) + getattr(current, name) for name in _COUNTERS})

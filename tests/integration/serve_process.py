@@ -13,6 +13,11 @@ from pathlib import Path
 import httpx
 
 
+# A small server for robustness tests: any valid request generates at most ~60 tokens.
+SMALL_SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1",
+                     "--max-model-len", "64", "--max-num-seqs", "8")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
