@@ -63,8 +63,9 @@ class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        # empty, not zeros: unwritten slots are never read (masked), and zeroing GBs is slow.
-        self.kv = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+        # zeros, not empty: masked padding still reads unwritten slots, and a 0 attention
+        # weight times a NaN left in recycled memory is NaN.
+        self.kv = torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                               spec.head_dim, dtype=spec.dtype, device=device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
