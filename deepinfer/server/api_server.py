@@ -23,7 +23,8 @@ from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.errors import APIError, from_validation_error
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepinfer.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    ErrorResponse, ModelCard, ModelList,
 )
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
@@ -63,6 +64,35 @@ async def _until_disconnect(raw_request: Request, coro):
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise _ClientDisconnected()
+
+
+def _documented_body(model) -> dict:
+    """OpenAPI for a JSON body that the route parses itself (so that bad input gets an
+    OpenAI-shaped 400, not FastAPI's 422); the schema is added by `_openapi_with_bodies`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _error_responses() -> dict:
+    doc = {400: "Invalid request", 401: "Missing or wrong API key",
+           429: "Too many waiting requests", 500: "The engine failed during the request",
+           503: "The engine is restarting"}
+    return {code: {"model": ErrorResponse, "description": text} for code, text in doc.items()}
+
+
+def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
+    """FastAPI's schema plus the request models named by `_documented_body`."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in body_models:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class ApiKeyMiddleware:
@@ -142,14 +172,21 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_documented_body(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "description": "The completion "
+                               "(a text/event-stream of such chunks when `stream`)"},
+                         **_error_responses()})
     async def completions(raw_request: Request) -> Response:
         return await serve(raw_request, CompletionRequest, completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_documented_body(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "description": "The chat "
+                               "completion (a text/event-stream of chunks when `stream`)"},
+                         **_error_responses()})
     async def chat_completions(raw_request: Request) -> Response:
         return await serve(raw_request, ChatCompletionRequest, chat)
 
+    app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest])
     return app
 
 

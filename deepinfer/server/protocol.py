@@ -127,8 +127,28 @@ CompletionStreamResponse = CompletionResponse
 # --- /v1/chat/completions ----------------------------------------------------------------------
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# `messages` is validated by hand (serving_chat.normalize_messages, for OpenAI-shaped 400s);
+# this is what the OpenAPI schema tells clients about one message.
+_MESSAGE_SCHEMA = {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {
+                "type": "object", "required": ["type"],
+                "properties": {"type": {"type": "string", "const": "text"},
+                               "text": {"type": "string"}}}},
+            {"type": "null"}]},
+        "name": {"type": "string"}},
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1,
+                                           json_schema_extra={"items": _MESSAGE_SCHEMA})
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

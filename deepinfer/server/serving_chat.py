@@ -8,13 +8,13 @@ from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob,
-    ChatTopLogprob, DeltaMessage, random_id,
+    CHAT_ROLES, ChatTopLogprob, DeltaMessage, random_id,
 )
 from deepinfer.server.serving_base import (
     SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, make_usage, sse_event,
 )
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = CHAT_ROLES
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 
 import httpx
@@ -172,6 +173,34 @@ def test_n_and_seeded_sampling(client, model):
                   seed=1234, extra_body={"top_k": 50, "min_p": 0.01})
     first = client.completions.create(**kwargs).choices[0].text
     assert client.completions.create(**kwargs).choices[0].text == first
+
+
+def test_openapi_describes_the_request_bodies(server):
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionRequest"),
+                       ("/v1/chat/completions", "ChatCompletionRequest")):
+        operation = spec["paths"][path]["post"]
+        assert operation["requestBody"]["required"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{name}"}
+        assert set(operation["responses"]) == {"200", "400", "401", "429", "500", "503"}
+    completion = schemas["CompletionRequest"]
+    assert completion["required"] == ["prompt"]
+    props = completion["properties"]
+    assert props["max_tokens"]["default"] == 16 and props["n"] == {
+        "default": 1, "maximum": 128, "minimum": 1, "title": "N", "type": "integer"}
+    assert {"type": "number", "minimum": 0.0, "maximum": 2.0} in props["temperature"]["anyOf"]
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["required"] == ["messages"] and chat["properties"]["messages"]["minItems"] == 1
+    message = chat["properties"]["messages"]["items"]
+    assert message["properties"]["role"]["enum"] == ["system", "developer", "user",
+                                                     "assistant", "tool"]
+    assert chat["properties"]["logprobs"] == {"default": False, "title": "Logprobs",
+                                              "type": "boolean"}
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert refs <= set(schemas)  # every reference resolves
+    assert "422" not in json.dumps(spec["paths"])  # bodies are validated into 400s, not 422s
 
 
 # --- errors: status, OpenAI body, and the server keeps serving ---------------------------------
