@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.cluster.worker_supervisor import RestartPolicy
 from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES
 
 
@@ -14,7 +15,9 @@ class ClusterConfig:
     `heartbeat_timeout_s`: a worker silent this long is removed from routing (it reports
     every `report_interval_s`). `stall_timeout_s`: a request with no progress this long is
     failed (last resort: nothing waits forever). `debug_transfer_delay_s`: fault injection,
-    delays every KV pull (tests)."""
+    delays every KV pull (tests). `max_worker_restarts`: a lost worker is restarted after a
+    back-off doubling from `restart_backoff_s` up to `restart_backoff_max_s`, at most this
+    many times in a row (0: never); `restart_stable_after_s` of service resets the count."""
 
     num_prefill_workers: int = 1
     num_decode_workers: int = 1
@@ -30,6 +33,10 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     log_level: str = "WARNING"
     debug_transfer_delay_s: float = 0.0
+    max_worker_restarts: int = 5
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    restart_stable_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -45,6 +52,14 @@ class ClusterConfig:
         for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        self.restart_policy  # validates the restart fields
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            initial_backoff_s=self.restart_backoff_s, max_backoff_s=self.restart_backoff_max_s,
+            max_restarts=self.max_worker_restarts, stable_after_s=self.restart_stable_after_s,
+            ready_timeout_s=self.ready_timeout_s)
 
     @property
     def store_url(self) -> str | None:

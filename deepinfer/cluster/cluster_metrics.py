@@ -1,5 +1,5 @@
 """Prometheus collector for a disaggregated cluster: per-worker load and counters, router
-decisions, retries. Read from the front's latest worker reports at scrape time."""
+decisions, retries, worker restarts. Read from the front's latest worker reports at scrape time."""
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,7 +14,6 @@ _GAUGES = (
     ("kv_blocks_total", "KV blocks per worker.", lambda h: h.last_report.num_kv_blocks_total),
     ("kv_tokens", "KV tokens of running requests per worker.", lambda h: h.last_report.kv_tokens),
     ("kv_staged_bytes", "Prefill KV staged for decode, bytes.", lambda h: h.counters.staged_bytes),
-    ("worker_up", "1 while the worker is routable.", lambda h: int(h.alive)),
 )
 _COUNTERS = (
     ("prefix_query_tokens", "Prompt tokens looked up.", lambda c: c.prefix_query_tokens),
@@ -41,6 +40,12 @@ class ClusterCollector:
 
     def collect(self):
         labels = ["worker_id", "role"]
+        up = GaugeMetricFamily(PREFIX + "worker_up", "1 while the worker is routable.",
+                               labels=labels)
+        for h in self.client.workers.values():  # also the lost and restarting ones
+            up.add_metric([h.worker_id, h.role], int(h.alive))
+        yield up
+        # A restarting worker has no report until its new process sends one.
         handles = [h for h in self.client.workers.values() if h.last_report is not None]
         for name, doc, get in _GAUGES:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
@@ -66,4 +71,17 @@ class ClusterCollector:
                  self.client.num_failed_by_worker_loss)):
             family = CounterMetricFamily(PREFIX + name, doc)
             family.add_metric([], value)
+            yield family
+        yield from self._restart_metrics()
+
+    def _restart_metrics(self):
+        supervisor = self.client.supervisor
+        for name, doc, counts in (
+                ("worker_restarts", "Worker processes restarted after a loss, per role.",
+                 supervisor.num_restarts),
+                ("worker_restart_give_ups", "Workers given up on after too many restarts in a "
+                 "row, per role.", supervisor.num_gave_up)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["role"])
+            for role in ("prefill", "decode"):
+                family.add_metric([role], counts[role])
             yield family

@@ -31,11 +31,13 @@ from deepinfer.cluster.messages import (AbortRequests, DecodeRequest, PrefillDon
                                         PrefillRequest, ShutdownWorker, WorkerFailed,
                                         WorkerHeartbeat,
                                         WorkerLoadReport,
-                                        WorkerReady, WorkerReport, make_encoder,
+                                        WorkerCounters, WorkerReady, WorkerReport,
+                                        make_encoder,
                                         worker_message_decoder)
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_proc import run_worker_proc
 from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_router,
                                build_prefill_router)
@@ -87,6 +89,7 @@ class DisaggClient:
         # request id -> [prefill worker, decode worker] of recent requests (bounded).
         self.placements: OrderedDict[str, list[str | None]] = OrderedDict()
         self.num_failed_by_worker_loss = 0
+        self.supervisor = WorkerSupervisor(cluster.restart_policy)  # restarts lost workers
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -126,6 +129,7 @@ class DisaggClient:
         now = time.monotonic()
         for handle in self.workers.values():
             handle.last_seen = now
+            self.supervisor.add_worker(handle.worker_id, handle.role, now)
             if handle.load is None:  # routable before its first report: an empty worker
                 r = handle.ready
                 handle.last_report = WorkerLoadReport(0, 0, 0, 0, r.num_kv_blocks, r.block_size,
@@ -341,12 +345,16 @@ class DisaggClient:
                 handle = self.workers.get(message.worker_id)
                 if handle is not None and handle.alive:
                     handle.last_seen = time.monotonic()
+            elif isinstance(message, WorkerReady):
+                self._on_worker_restart_ready(message)
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_dead(message.worker_id, f"worker failed: "
                                            f"{message.message.strip().splitlines()[-1]}")
 
     def _on_report(self, report: WorkerReport) -> None:
         handle = self.workers.get(report.worker_id)
+        if handle is not None and not handle.alive:
+            self._maybe_readmit(handle)
         if handle is None or not handle.alive:
             return
         now = time.monotonic()
@@ -382,6 +390,7 @@ class DisaggClient:
                                                f"process exited ({handle.proc.exitcode})")
                 elif now - handle.last_seen > self.cluster.heartbeat_timeout_s:
                     await self._on_worker_dead(handle.worker_id, "missed heartbeats")
+            self._supervise_workers(time.monotonic())
             for track in list(self._requests.values()):
                 if now - track.last_progress > self.cluster.stall_timeout_s:
                     track.last_progress = now
@@ -419,3 +428,69 @@ class DisaggClient:
         handle.request_ids.clear()
         if handle.proc is not None and handle.proc.is_alive():
             handle.proc.kill()  # a hung worker must not come back with stale state
+        self._on_worker_lost(handle, reason)
+
+    # --- self-healing (policy and back-off: worker_supervisor) --------------------------------
+    def _on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:
+        decision = self.supervisor.on_lost(handle.worker_id, reason, time.monotonic())
+        if decision.gave_up:
+            logger.error("giving up on %s after %d restarts in a row; it stays out of routing "
+                         "(last loss: %s)", handle.worker_id, decision.num_consecutive, reason)
+        else:
+            logger.warning("%s will be restarted in %.1f s (restart %d in a row)",
+                           handle.worker_id, decision.restart_at - time.monotonic(),
+                           decision.num_consecutive)
+
+    def _supervise_workers(self, now: float) -> None:
+        """Start due restarts; a replacement that exited or never became ready is lost again."""
+        for worker_id in self.supervisor.start_overdue(now):
+            handle = self.workers[worker_id]
+            if handle.proc is not None and handle.proc.is_alive():
+                handle.proc.kill()
+            self._on_worker_lost(handle, f"not ready after {self.cluster.ready_timeout_s:.0f} s")
+        for handle in self.workers.values():
+            if handle.alive or self.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
+                continue
+            if handle.proc is not None and not handle.proc.is_alive():
+                self._on_worker_lost(handle, f"restarted process exited ({handle.proc.exitcode})")
+        for worker_id in self.supervisor.due(now):
+            self._restart_worker(worker_id)
+
+    def _restart_worker(self, worker_id: str) -> None:
+        """Spawn a fresh process for a lost worker (same id and input socket). It stays out of
+        routing until its `WorkerReady` and first report (`_maybe_readmit`)."""
+        handle = self.workers[worker_id]
+        handle.ready = handle.load = handle.last_report = None
+        handle.counters = WorkerCounters()  # a new process counts from zero
+        handle.request_ids.clear()
+        ctx = multiprocessing.get_context("spawn")
+        handle.proc = ctx.Process(target=run_worker_proc, args=(handle.spec,),
+                                  name=f"deepinfer-{worker_id}", daemon=True)
+        self.supervisor.on_started(worker_id, time.monotonic())
+        try:
+            handle.proc.start()
+        except OSError as exc:  # e.g. out of memory or pids: back off and try again
+            handle.proc = None
+            self._on_worker_lost(handle, f"could not spawn: {exc}")
+            return
+        logger.warning("restarting %s (pid %d)", worker_id, handle.proc.pid)
+
+    def _on_worker_restart_ready(self, ready: WorkerReady) -> None:
+        handle = self.workers.get(ready.worker_id)
+        if handle is None or handle.alive or handle.proc is None or ready.pid != handle.proc.pid:
+            return  # a stale announcement of a process already replaced
+        handle.ready = ready
+
+    def _maybe_readmit(self, handle: WorkerHandle) -> None:
+        """A report from a restarted worker that announced itself: route to it again."""
+        if handle.ready is None or \
+                self.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
+            return
+        now = time.monotonic()
+        handle.alive, handle.dead_reason, handle.last_seen = True, None, now
+        router = self.prefill_router if handle.role == "prefill" else self.decode_router
+        router.add_worker(handle.worker_id)
+        outage = self.supervisor.on_admitted(handle.worker_id, now)
+        if outage is not None:
+            logger.warning("%s is back in routing %.1f s after it was lost (%s)",
+                           handle.worker_id, outage.recovery_s, outage.reason)
