@@ -3,8 +3,10 @@ redis-server): P=2 prefill + D=1 decode worker processes over TCP on 127.0.0.1."
 from __future__ import annotations
 
 import pytest
+import redis
 
 from deepinfer.cluster.cluster_config import ClusterConfig
+from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.sampling_params import SamplingParams
 from tests.integration.disagg_harness import ClusterHarness
 from tests.integration.prompt_corpus import _corpus_from, distinct_prompts
@@ -40,10 +42,13 @@ def test_prefix_from_worker_a_is_a_shared_tier_hit_on_worker_b_redis(cluster):
     prompt = encode(_corpus_from(4))[9:9 + 4 * BLOCK + 2]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     first = run_alone_on(cluster, "prefill-0", {"r-a": prompt}, params)["r-a"]
-    cluster.wait_for(lambda: cluster.counters("prefill-0").store_bytes_written > 0,
-                     what="write-through of prefill-0")
-    import time
-    time.sleep(0.5)  # the writer thread finishes the last puts
+    # Write-through is asynchronous: wait until every full block of the prompt is in Redis.
+    raw = redis.Redis.from_url(cluster.client.cluster.kv_store_url)
+    keys = [f"deepinfer:kv:*:{h.hex()}" for h in hash_request_blocks(prompt, BLOCK)]
+    assert len(keys) == 4
+    cluster.wait_for(lambda: all(raw.keys(pattern) for pattern in keys),
+                     what="write-through of the prompt's 4 blocks by prefill-0")
+    raw.close()
     before = cluster.counters("prefill-1")
     second = run_alone_on(cluster, "prefill-1", {"r-b": prompt}, params)["r-b"]
     cluster.wait_for(lambda: cluster.counters("prefill-1").prefix_query_tokens
