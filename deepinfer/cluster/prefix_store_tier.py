@@ -9,8 +9,9 @@ load_prefix_blocks`). `write_through` hands a
 prefilled prompt's full blocks to the background `KVStoreWriter`.
 
 Keys are the engine's chained block hashes (same on every process); the store namespaces them
-by a salt of the weights' fingerprint, dtype, block size and tensor layout (`store_salt`), and checks a checksummed header on
-every read (a corrupt block is a miss: the rest of the prompt is recomputed).
+by a salt of the weights' fingerprint, dtype, block size and tensor layout (`store_salt`), and
+checks a checksummed header on every read (a corrupt block is a miss: the rest of the prompt
+is recomputed).
 """
 from __future__ import annotations
 

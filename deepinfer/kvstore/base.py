@@ -1,10 +1,10 @@
 """`KVBlockStore`: the shared prefix store interface, and the codec/accounting every backend shares.
 
 Keys are the engine's chained 16-byte block hashes (`core.prefix_hash`); a store is bound to
-one salt (model id, dtype, block size, layout) at construction and keeps its blocks apart from
-other salts'. Values are one block's KV payload as bytes. Every stored block carries a header
-and a checksum (`block_codec`); a corrupt or mismatched block is a miss: counted, logged,
-deleted, never returned.
+one salt (weights fingerprint, dtype, block size, layout) at construction and keeps its blocks
+apart from other salts'. Values are one block's KV payload as bytes. Every stored block carries
+a header and a checksum (`block_codec`); a corrupt or mismatched block is a miss: counted,
+logged, deleted, never returned.
 
 Backends implement four raw operations on encoded bytes (`_read`, `_write`, `_exists`,
 `_delete`); the base class does encoding, validation and statistics. Backend failures listed

@@ -5,7 +5,7 @@
     4       2     format version (1)
     6       2     layout descriptor length L (bytes, UTF-8)
     8       8     payload length N
-    16      16    salt (namespace: model id, dtype, block size, layout)
+    16      16    salt (namespace: weights, dtype, block size, layout)
     32      16    block hash (chained, `core.prefix_hash`)
     48      4     crc32 of bytes [0, 48) + layout + payload
     52      L     layout descriptor (e.g. "layer,kv,head,slot,dim:float16:30x2x3x16x64")

@@ -51,5 +51,7 @@ class KVBlockLayout:
         return f"{','.join(self.axes)}:{self.dtype}:{'x'.join(map(str, self.shape))}"
 
     def store_salt(self, model_id: str) -> BlockHash:
-        """The namespace of this model's blocks in a shared store."""
+        """The namespace of this model's blocks in a shared store. `model_id` must identify
+        the weights, not a name (serving uses `cluster.prefix_store_tier.store_salt`, which
+        salts with the weights' fingerprint)."""
         return salt_hash(model_id, self.dtype, str(self.block_size), self.descriptor)

@@ -19,10 +19,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_capacity_reaches_the_store_the_workers_open(tmp_path):
-    url = _store_url_with_capacity(parse("--kv-store", str(tmp_path), "--kv-store-capacity", "2GiB"))
+    args = parse("--kv-store", str(tmp_path), "--kv-store-capacity", "2GiB")
+    url = _store_url_with_capacity(args)
     assert url == f"{tmp_path}?capacity_bytes={2 * 1024**3}"
     store = open_store(url, salt_hash("m"))
-    assert store.capacity_bytes == 2 * 1024**3 and store.directory == tmp_path / salt_hash("m").hex()
+    assert store.capacity_bytes == 2 * 1024**3
+    assert store.directory == tmp_path / salt_hash("m").hex()
     assert _store_url_with_capacity(parse("--kv-store-capacity", "500MB")) == \
         "fs?capacity_bytes=500000000"
     assert _store_url_with_capacity(parse()) == "fs"  # the store's own default applies
