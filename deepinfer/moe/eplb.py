@@ -11,22 +11,30 @@ possible. Physical slots are numbered rank-major:
     log2phy[layer, expert, j]      its j-th replica's slot, j < logcnt; entries past logcnt
                                    repeat the replicas cyclically (always a valid slot id)
 
-Three steps, each greedy then locally improved:
-1. replicate: every extra slot goes to the expert with the highest load per replica;
-2. pack: replicas (load / count each) go heaviest first onto the least-loaded rank with room;
-3. refine: swap replicas between the busiest rank and any other while that lowers the pair's
-   maximum, so the result is never worse than the greedy packing it starts from.
-The plan is also never worse than placing each expert once (the no-replica packing is a
-candidate too, its spare slots repeating experts on their own rank).
+Each layer (per node in hierarchical mode) is planned from several candidate layouts:
+- replicate-then-pack: every extra slot goes to the expert with the highest load per replica,
+  replicas go heaviest first onto the least-loaded rank with room (DeepSeek's greedy), then
+  optionally refined by swaps that lower the busiest rank without putting two replicas of one
+  expert on the same rank;
+- pack-then-replicate: every expert once, then spare slots take replicas where they do not
+  raise the peak, else repeat one of the rank's own experts (no load moves).
+The greedy layout and the once-each layout bound the allowed peak, so the plan is never worse
+on its window's loads than the greedy planner or than no replicas; among the layouts within
+that bound the one with the lowest mean peak under per-expert load drift wins, since a plan
+made from one window serves the next.
 Hierarchical mode (expert groups divisible by nodes): groups are packed onto nodes first, so a
 group's experts and all their replicas stay inside one node (token dispatch of a group is
-intra-node), then steps 1-3 run per node over that node's ranks.
+intra-node).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+# How a plan is judged beyond the window it was made from: per-expert multiplicative drift.
+LOAD_DRIFT_SIGMA = 0.3
+NUM_DRIFT_SAMPLES = 16
 
 
 @dataclass(frozen=True)
@@ -112,12 +120,11 @@ def _plan_layer(load: np.ndarray, num_physical: int, num_ranks: int, num_groups:
         return _plan_nodes(load, np.zeros(num_groups, dtype=np.int64), num_physical, num_ranks,
                            group_size, 1)
     # A better-balanced group packing does not always give better-balanced ranks: plan from
-    # the greedy and the refined packing and keep the lower peak (never worse than greedy).
-    candidates = [_plan_nodes(load, pack_items(group_loads, num_nodes, refine=refine),
-                              num_physical, num_ranks, group_size, num_nodes)
-                  for refine in (False, True)]
-    peaks = [_peak(load, c, num_ranks) for c in candidates]
-    return candidates[int(np.argmin(peaks))]
+    # the greedy and the refined packing; the greedy one bounds the peak.
+    greedy, refined = (_plan_nodes(load, pack_items(group_loads, num_nodes, refine=refine),
+                                   num_physical, num_ranks, group_size, num_nodes)
+                       for refine in (False, True))
+    return _choose([greedy, refined], load, num_ranks, _peak(load, greedy, num_ranks))
 
 
 def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num_ranks: int,
@@ -129,33 +136,87 @@ def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num
     for node in range(num_nodes):
         experts = np.concatenate([np.arange(g * group_size, (g + 1) * group_size)
                                   for g in np.flatnonzero(group_node == node)])
-        candidates = [_replicate_and_pack(load[experts], slots_per_node, ranks_per_node)]
+        node_load = load[experts]
+        greedy = _replicate_and_pack(node_load, slots_per_node, ranks_per_node, refine=False)
+        candidates = [greedy, _replicate_and_pack(node_load, slots_per_node, ranks_per_node)]
+        bound = _peak(node_load, greedy, ranks_per_node)
         if len(experts) % ranks_per_node == 0:
-            candidates.append(_pack_without_replicas(load[experts], slots_per_node,
-                                                     ranks_per_node))
-        local = min(candidates, key=lambda c: _peak(load[experts], c, ranks_per_node))
+            once = _pack_then_replicate(node_load, slots_per_node, ranks_per_node, False)
+            candidates += [once, _pack_then_replicate(node_load, slots_per_node, ranks_per_node)]
+            bound = min(bound, _peak(node_load, once, ranks_per_node))
+        local = _choose(candidates, node_load, ranks_per_node, bound)
         phy2log[node * slots_per_node:(node + 1) * slots_per_node] = experts[local]
     return phy2log
 
 
-def _replicate_and_pack(load: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
+def _choose(candidates: list[np.ndarray], load: np.ndarray, num_ranks: int,
+            bound: float) -> np.ndarray:
+    """Among layouts whose peak on `load` is within `bound` (the guarantees), the one with the
+    lowest mean peak when each expert's load drifts (the plan serves the *next* window):
+    the tightest fit to one window often packs its heavy experts together and loses later."""
+    eps = 1e-9 * max(float(load.sum()), 1.0)
+    feasible = [c for c in candidates if _peak(load, c, num_ranks) <= bound + eps]
+    drift = np.random.default_rng(0).lognormal(0.0, LOAD_DRIFT_SIGMA,
+                                               (NUM_DRIFT_SAMPLES, load.shape[0]))
+    scores = [np.mean([_peak(load * d, c, num_ranks) for d in drift]) for c in feasible]
+    return feasible[int(np.argmin(scores))]
+
+
+def _replicate_and_pack(load: np.ndarray, num_slots: int, num_ranks: int,
+                        refine: bool = True) -> np.ndarray:
     local = replicate(load, num_slots)  # replica -> expert
     replica_loads = load[local] / np.bincount(local)[local]
-    rank_of = pack_items(replica_loads, num_ranks)
+    rank_of = pack_items(replica_loads, num_ranks, refine=refine, keys=local)
     return local[np.argsort(rank_of, kind="stable")]  # rank-major slots
 
 
-def _pack_without_replicas(load: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
-    """Every expert once; a rank's spare slots repeat its own heaviest experts, which leaves
-    every rank's load as without replicas. Guarantees redundancy never balances worse."""
+def _pack_then_replicate(load: np.ndarray, num_slots: int, num_ranks: int,
+                         add_replicas: bool = True) -> np.ndarray:
+    """Pack every expert once, then fill each rank's spare slots: with a replica of a hot
+    expert where that does not raise the peak, else with a repeat of one of the rank's own
+    experts. With `add_replicas=False` only repeats are used, which leaves every rank's load
+    exactly as without replicas: the candidate that makes redundancy never balance worse."""
+    num_experts = load.shape[0]
     rank_of = pack_items(load, num_ranks)
     slots_per_rank = num_slots // num_ranks
-    layout = []
-    for rank in range(num_ranks):
-        own = np.flatnonzero(rank_of == rank)
-        own = own[np.argsort(-load[own], kind="stable")]
-        layout.append(np.resize(own, slots_per_rank))  # cycles through its own experts
-    return np.concatenate(layout)
+    layout = [sorted(np.flatnonzero(rank_of == r).tolist(), key=lambda e: -load[e])
+              for r in range(num_ranks)]
+    if not add_replicas:
+        return np.concatenate([np.resize(np.asarray(own, dtype=np.int64), slots_per_rank)
+                               for own in layout])
+
+    hosted = np.zeros((num_ranks, num_experts))  # replicas of each expert on each rank
+    for r, own in enumerate(layout):
+        hosted[r, own] = 1
+    counts = np.ones(num_experts)
+
+    def loads_with(rank: int, expert: int) -> np.ndarray:
+        """Rank loads after one more replica of `expert` on `rank`."""
+        share = load[expert] / (counts[expert] + 1)
+        new = rank_load - hosted[:, expert] * (load[expert] / counts[expert] - share)
+        new[rank] += share
+        return new
+
+    rank_load = hosted @ load
+    for _ in range(num_slots - num_experts):
+        open_ranks = [r for r in range(num_ranks) if len(layout[r]) < slots_per_rank]
+        choice = None
+        for e in np.argsort(-(load / counts), kind="stable")[:8]:
+            free = [r for r in open_ranks if not hosted[r, e]]
+            if free:
+                r = min(free, key=lambda q: loads_with(q, int(e)).max())
+                if loads_with(r, int(e)).max() <= rank_load.max():
+                    choice = (r, int(e))
+                    break
+        if choice is None:  # repeat an own expert on the rank where that costs least
+            choice = min(((r, e) for r in open_ranks for e in set(layout[r])),
+                         key=lambda c: loads_with(*c).max())
+        r, e = choice
+        rank_load = loads_with(r, e)
+        layout[r].append(e)
+        hosted[r, e] += 1
+        counts[e] += 1
+    return np.concatenate([np.asarray(slots, dtype=np.int64) for slots in layout])
 
 
 def _peak(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> float:
@@ -172,7 +233,8 @@ def replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
     return np.repeat(np.arange(num_experts), counts)
 
 
-def pack_items(weights: np.ndarray, num_packs: int, refine: bool = True) -> np.ndarray:
+def pack_items(weights: np.ndarray, num_packs: int, refine: bool = True,
+               keys: np.ndarray | None = None) -> np.ndarray:
     """Pack index of every item; each pack gets exactly len(weights) / num_packs items.
 
     Greedy (heaviest first onto the lightest pack with room), then pairwise swaps that lower
@@ -192,27 +254,35 @@ def pack_items(weights: np.ndarray, num_packs: int, refine: bool = True) -> np.n
         pack_load[pack] += weights[item]
         pack_size[pack] += 1
     if refine and capacity > 1 and num_packs > 1:
-        _refine_by_swaps(weights, pack_of, pack_load)
+        _refine_by_swaps(weights, pack_of, pack_load, keys)
     return pack_of
 
 
 def _refine_by_swaps(weights: np.ndarray, pack_of: np.ndarray, pack_load: np.ndarray,
-                     max_rounds: int = 1000) -> None:
+                     keys: np.ndarray | None = None, max_rounds: int = 1000) -> None:
     """Swap one item of the heaviest pack with one item elsewhere while it lowers the peak.
 
-    Every accepted swap strictly lowers max(load of the two packs) below the current peak, so
-    the number of packs at the peak load, then the peak itself, decreases: it terminates.
+    Every accepted swap lowers max(load of the two packs) below the current peak, so the
+    number of packs at the peak, then the peak itself, decreases: it terminates. With `keys`
+    (an item's expert), no swap puts two items of one key in a pack: replicas of one expert
+    on one rank would drift together and undo the balance in the next window.
     """
     eps = 1e-9 * max(float(weights.sum()), 1.0)
+    num_packs = pack_load.shape[0]
     for _ in range(max_rounds):
         heavy = int(np.argmax(pack_load))
         peak = pack_load[heavy]
         inside = np.flatnonzero(pack_of == heavy)
         outside = np.flatnonzero(pack_of != heavy)
         delta = weights[inside][:, None] - weights[outside][None, :]  # [in, out] moved off heavy
-        new_heavy = peak - delta
-        new_other = pack_load[pack_of[outside]][None, :] + delta
-        worst = np.maximum(new_heavy, new_other)
+        other_packs = pack_of[outside][None, :]
+        worst = np.maximum(peak - delta, pack_load[other_packs] + delta)
+        if keys is not None:
+            held = np.zeros((num_packs, int(keys.max()) + 1), dtype=np.int64)
+            np.add.at(held, (pack_of, keys), 1)
+            clash = (held[other_packs, keys[inside][:, None]] > 0) | \
+                    (held[heavy, keys[outside]][None, :] > 0)
+            worst = np.where(clash, np.inf, worst)
         best = np.unravel_index(int(np.argmin(worst)), worst.shape)
         if worst[best] >= peak - eps:
             return
