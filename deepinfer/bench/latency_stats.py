@@ -1,7 +1,8 @@
 """Serving benchmark statistics from per-request results. Pure: stdlib + numpy.
 
 Definitions (as vLLM's benchmark_serving):
-  TTFT  arrival at the client → first output chunk with text
+  success  the server generated output tokens (usage.completion_tokens; the text may be empty)
+  TTFT  arrival at the client → first output chunk with text (or the final chunk, if none has)
   TPOT  (e2e − ttft) / (output_tokens − 1), one value per request with > 1 output token
   ITL   gaps between consecutive output chunks, pooled over all requests
   E2E   send → last chunk
@@ -30,6 +31,7 @@ class RequestResult:
     token_times_s: list[float] = field(default_factory=list)  # chunk arrivals, from run start
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     error: str | None = None
+    usage_reported: bool = False  # output_len is usage.completion_tokens, not a chunk count
 
     @property
     def tpot_s(self) -> float | None:

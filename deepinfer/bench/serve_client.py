@@ -2,10 +2,13 @@
 
 Each request is sent at its arrival time whether or not earlier ones have finished (open
 loop), streamed, and timed at the client: first text chunk (TTFT), every chunk after it
-(ITL), last chunk (E2E). Output lengths are forced with `max_tokens` + vLLM's `ignore_eos`
-(unknown fields are ignored by servers without it). Prompts go as token-id arrays to
-/v1/completions by default; `prompt_format="text"` sends detokenized text instead (servers
-without token-id prompts, or /v1/chat/completions).
+(ITL), last chunk (E2E). A request succeeds when the server generated tokens (usage's
+completion_tokens, else the output chunks), not when its text is non-empty: a completion can
+be one token whose text is empty (a special token, or part of a character); its final chunk
+then stands in for the first text chunk. Output lengths are forced with `max_tokens` +
+vLLM's `ignore_eos` (unknown fields are ignored by servers without it). Prompts go as
+token-id arrays to /v1/completions by default; `prompt_format="text"` sends detokenized text
+instead (servers without token-id prompts, or /v1/chat/completions).
 """
 from __future__ import annotations
 
@@ -171,7 +174,7 @@ class ServeClient:
                         result.error = str(chunk["error"])[:300]
                         return result
                     now = time.perf_counter()
-                    if _chunk_text(chunk):
+                    if _chunk_text(chunk) or (result.ttft_s is None and _chunk_finished(chunk)):
                         num_chunks += 1
                         if result.ttft_s is None:
                             result.ttft_s = now - start
@@ -183,23 +186,29 @@ class ServeClient:
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             result.error = f"{type(e).__name__}: {e}"
             return result
-        result.e2e_s = last - start
-        if result.output_len == 0:  # server did not report usage
+        if not result.usage_reported:
             result.output_len = num_chunks
-        result.success = result.ttft_s is not None
+        result.success = result.output_len > 0
         if not result.success:
-            result.error = "no output"
+            result.error = "no output tokens"
+            return result
+        result.e2e_s = (last if result.ttft_s is not None else time.perf_counter()) - start
         return result
 
     @staticmethod
     def _apply_usage(result: RequestResult, usage: dict | None) -> None:
         if not usage:
             return
+        result.usage_reported = True
         result.output_len = int(usage.get("completion_tokens") or 0)
         result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             result.cached_tokens = int(details["cached_tokens"])
+
+
+def _chunk_finished(chunk: dict) -> bool:
+    return any(c.get("finish_reason") for c in chunk.get("choices") or [])
 
 
 def _chunk_text(chunk: dict) -> str:
