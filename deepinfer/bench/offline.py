@@ -9,6 +9,7 @@ import platform
 import random
 import time
 
+from deepinfer.bench.errors import BenchError
 from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -88,16 +89,15 @@ def _rates(name: str, elapsed: float, num_in: int, num_out: int, token_ids) -> d
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from deepinfer.cli.main import CLIError
     from deepinfer.runtime.model_source import resolve_model
 
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
-        raise CLIError("--num-prompts, --input-len and --output-len must be positive")
+        raise BenchError("--num-prompts, --input-len and --output-len must be positive")
     config = engine_config_from_args(args)
     try:
         vocab = resolve_model(config.model).config.vocab_size
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise CLIError(f"cannot load model: {e}") from None
+        raise BenchError(f"cannot load model: {e}") from None
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     results = [run_engine(config, prompts, args.output_len)]
     if args.baseline == "hf":

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 
+from deepinfer.bench.errors import BenchError
 from deepinfer.bench.latency_stats import format_summary, summarize
 from deepinfer.bench.serve_client import BenchRun, ClientConfig, run_benchmark
 from deepinfer.bench.traces import ShrinkConfig
@@ -92,13 +93,11 @@ def _detokenizer(args):
 
 
 def run(args) -> int:
-    from deepinfer.cli.main import CLIError
-
     try:
         workload_cfg, client_cfg = _configs(args)
         workload = build_workload(workload_cfg)
     except (ValueError, OSError) as e:
-        raise CLIError(str(e)) from None
+        raise BenchError(str(e)) from None
     print(f"workload: {workload.description}", flush=True)
     detokenize = _detokenizer(args) if client_cfg.prompt_format == "text" else None
     import httpx
@@ -106,7 +105,7 @@ def run(args) -> int:
     try:
         bench_run = asyncio.run(run_benchmark(client_cfg, workload.requests, detokenize))
     except (ValueError, OSError, httpx.HTTPError) as e:  # unreachable server, unknown model
-        raise CLIError(f"{client_cfg.root_url}: {e}") from None
+        raise BenchError(f"{client_cfg.root_url}: {e}") from None
     summary = summarize(bench_run.results, bench_run.duration_s, args.slo_ttft_ms,
                         args.slo_tpot_ms)
     print(format_summary(summary))
