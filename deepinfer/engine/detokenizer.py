@@ -3,16 +3,20 @@
 Decoding only a short window (prefix_offset..end) per step keeps the cost O(1) per token;
 a few prompt tokens seed the window so the first output token keeps its leading space with
 SentencePiece-style tokenizers. A window ending in U+FFFD is an incomplete UTF-8 sequence:
-wait for the next token.
+wait for the next token, unless the sequence ends here, when the window is flushed as it
+decodes (so the final text is the decode of every output token, as in vLLM).
 """
 from __future__ import annotations
+
+from deepinfer.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
@@ -22,36 +26,56 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = min_tokens  # stop strings end nothing before this many tokens (vLLM)
+        self.num_output_tokens = 0
+        self.stopped = False  # a stop string cut the text: nothing more is appended
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string if one now appears in the text (the text is
-        then cut at it), else None."""
+    @classmethod
+    def for_request(cls, tokenizer, prompt_token_ids: list[int],
+                    params: SamplingParams) -> IncrementalDetokenizer:
+        return cls(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                   params.include_stop_str_in_output, params.min_tokens)
+
+    def add_tokens(self, token_ids: list[int], final: bool = False,
+                   stop_token: bool = False) -> str | None:
+        """Append output tokens; return the stop string if one now appears in the text (the
+        text is then cut at it), else None. `final`: the sequence ends with these tokens, so
+        text held back for an incomplete character is flushed. `stop_token`: the last token is
+        the EOS / stop token that ended the sequence; as in vLLM its text is left out unless
+        include_stop_str_in_output."""
+        if self.stopped:
+            return None
+        self.num_output_tokens += len(token_ids)
+        if stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
         self._ids.extend(token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset],
                         skip_special_tokens=self.skip_special_tokens)
         full = decode(self._ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not (final or stop_token)):
             return None
         old_len = len(self.text)
         self.text += full[len(prefix):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        if self.num_output_tokens < self.min_tokens:
+            return None
         return self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> str | None:
         if not self.stop:
             return None
-        # A stop string may straddle the old/new boundary.
-        start = max(0, old_len - self._max_stop_len + 1)
+        # A stop string may straddle the old/new boundary, but must end in the new text (one
+        # wholly in the old text was seen before min_tokens and ignored).
         best = None
         for stop in self.stop:
-            idx = self.text.find(stop, start)
+            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, stop)
         if best is None:
             return None
         idx, stop = best
         self.text = self.text[:idx + len(stop)] if self.include_stop else self.text[:idx]
+        self.stopped = True
         return stop

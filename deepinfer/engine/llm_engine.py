@@ -18,7 +18,8 @@ from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetri
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
-from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache, parse_memory
+from deepinfer.runtime.kv_cache import parse_memory
+from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
 from deepinfer.sampling_params import SamplingParams
@@ -52,9 +53,12 @@ class LLMEngine:
         self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        spec = KVCacheSpec.from_model_config(self.model_config, config.block_size, self.dtype)
+        spec = kv_cache_spec_for(self.model_config, config.block_size, self.dtype)  # MHA/GQA or MLA latent
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(parse_memory(config.kv_cache_memory))
-        self.cache = PagedKVCache(spec, num_blocks, self.device)
+        self.cache = allocate_kv_cache(spec, num_blocks, self.device)
+        logger.info("KV cache: %d bytes per token (%s), %d blocks hold %d tokens",
+                    kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
+                    num_blocks, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -104,9 +108,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(Request(child_id, list(prompt_token_ids), child_params, arrival,
                                     self.eos_token_ids))
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                           params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params)
             output = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
             state.sequences[child_id] = SequenceState(i, detok, output)
@@ -179,6 +181,7 @@ class LLMEngine:
 
     def _process(self, update: SchedulerUpdate, result: StepResult, now: float) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
+        ended = {request.request_id: request for request in update.finished}
         for child_id, token_ids in update.new_token_ids.items():
             state = self._states.get(self._child_parent.get(child_id, ""))
             if state is None:
@@ -189,7 +192,11 @@ class LLMEngine:
             if lp is not None and seq.output.logprobs is not None:
                 seq.output.logprobs.append(lp)
                 seq.output.cumulative_logprob += lp.logprob
-            stop = seq.detokenizer.add_tokens(token_ids)
+            # A sequence ending here flushes held-back text; a stop token's text is left out.
+            end = ended.get(child_id)
+            stop = seq.detokenizer.add_tokens(
+                token_ids, final=end is not None,
+                stop_token=end is not None and end.stop_token_id is not None)
             seq.output.text = seq.detokenizer.text
             if stop is not None and seq.output.finish_reason is None:
                 self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)

@@ -1,0 +1,88 @@
+"""IncrementalDetokenizer with the default model's real tokenizer (issue 8): a sequence that
+ends inside a multi-byte character keeps its last bytes (the final text is the decode of every
+output token, as in vLLM), stop strings end nothing before `min_tokens`, and the text of the
+stop token that ended a sequence is left out."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.sampling_params import SamplingParams
+
+PROMPT = "Write something:"
+TEXTS = ["Hi 😀 there", "中文 and 한국어", "ok 👍🏽 done", "naïve café — ünïcödé", "日本語のテキスト"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from deepinfer.runtime.model_source import resolve_model
+    return resolve_model(None).load_tokenizer()
+
+
+def feed(tokenizer, ids: list[int], final: bool = True, **params) -> tuple[str, str | None]:
+    """Feed `ids` one token at a time, the last one marked final; (text, stop string)."""
+    detok = IncrementalDetokenizer.for_request(
+        tokenizer, tokenizer.encode(PROMPT, add_special_tokens=False), SamplingParams(**params))
+    stop = None
+    for i, token in enumerate(ids):
+        stop = detok.add_tokens([token], final=final and i == len(ids) - 1)
+        if stop is not None:
+            break
+    return detok.text, stop
+
+
+def test_precondition_the_texts_split_characters_across_tokens(tokenizer):
+    split = [t for t in TEXTS if any("\ufffd" in tokenizer.decode([i])
+                                     for i in tokenizer.encode(t, add_special_tokens=False))]
+    assert len(split) >= 4, "the test texts no longer split a character across tokens"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_final_text_is_the_decode_of_every_output_token(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut_mid_char = 0
+    for k in range(1, len(ids) + 1):
+        want = tokenizer.decode(ids[:k])
+        got, stop = feed(tokenizer, ids[:k])
+        assert stop is None
+        assert got == want, f"ended after {k} tokens: {got!r} != {want!r}"
+        cut_mid_char += want.endswith("\ufffd")
+    if any("\ufffd" in tokenizer.decode([i]) for i in ids):
+        assert cut_mid_char >= 1
+
+
+def test_emoji_split_after_one_token(tokenizer):
+    """The bench-serve symptom: a one-token completion that is the first byte(s) of an emoji
+    came back as empty text."""
+    first = tokenizer.encode("😀", add_special_tokens=False)[:1]
+    text, _ = feed(tokenizer, first)
+    assert text == tokenizer.decode(first) and text != ""
+    # Not final: the incomplete character is still held back while streaming.
+    held, _ = feed(tokenizer, first, final=False)
+    assert held == ""
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    assert len(ids) == 5, ids  # one token per word: " two" is complete after token 2
+    text, stop = feed(tokenizer, ids, stop=[" two"])
+    assert (text, stop) == ("one", " two")
+    text, stop = feed(tokenizer, ids, stop=[" two"], min_tokens=2)
+    assert (text, stop) == ("one", " two")
+    # Before min_tokens the stop string does not end the sequence (vLLM's rule) ...
+    text, stop = feed(tokenizer, ids, stop=[" two"], min_tokens=3, max_tokens=5)
+    assert (text, stop) == ("one two three four five", None)
+    # ... but a stop string completed at or after min_tokens does.
+    text, stop = feed(tokenizer, ids, stop=[" two", " four"], min_tokens=3, max_tokens=5)
+    assert (text, stop) == ("one two three", " four")
+
+
+def test_stop_token_text_is_left_out(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    for include, want in ((False, tokenizer.decode(ids[:-1])), (True, tokenizer.decode(ids))):
+        detok = IncrementalDetokenizer.for_request(
+            tokenizer, prompt, SamplingParams(include_stop_str_in_output=include))
+        detok.add_tokens(ids[:-1])
+        detok.add_tokens(ids[-1:], final=True, stop_token=True)
+        assert detok.text == want
