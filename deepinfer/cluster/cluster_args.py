@@ -51,7 +51,9 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
             num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
             kv_store_url=store_url, prefill_router=args.prefill_router,
             decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout)
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            # serve's --max-engine-restarts also bounds restarts of each lost worker
+            max_worker_restarts=getattr(args, "max_engine_restarts", 5))
     except ValueError as e:
         raise CLIError(str(e)) from None
     return DisaggClient(engine_config, cluster)

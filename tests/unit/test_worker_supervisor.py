@@ -94,3 +94,21 @@ def test_cluster_config_carries_the_policy():
     assert config.restart_policy.backoff_s(5) == 8.0 and config.restart_policy.max_restarts == 3
     with pytest.raises(ValueError):
         ClusterConfig(restart_backoff_s=10.0, restart_backoff_max_s=1.0)
+
+
+def test_serve_flag_bounds_worker_restarts():
+    import argparse
+    import asyncio
+
+    from deepinfer.cli.serve import register
+    from deepinfer.cluster.cluster_args import cluster_client_from_args
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--prefill-workers", "1", "--decode-workers", "1",
+                              "--kv-store", "none", "--max-engine-restarts", "2"])
+    client = cluster_client_from_args(args, engine_config=None)  # binds a socket, no workers
+    try:
+        assert client.supervisor.policy.max_restarts == 2
+    finally:
+        asyncio.run(client.shutdown())
