@@ -5,10 +5,15 @@ its KV cache. Its time is modelled as a non-negative combination of six features
 
     linear_flops         2 · active_params · Σ x              (projections, MLP / experts)
     attention_flops      4 · L · H · d · Σ x · (P + x/2)       (causal QK^T and PV)
-    bytes_moved          weight_bytes + kv_bytes_per_token · Σ (P + x)
+    bytes_moved          weight_bytes_read(Σ x) + kv_bytes_per_token · Σ (P + x)
     decode_kv_bytes      kv_bytes_per_token · Σ over decodes of (P + 1)
     num_requests         number of requests in the step       (per-request overhead, LM head)
     step                 1                                     (launch / framework overhead)
+
+For a dense model `weight_bytes_read` is all the weights; for an MoE model it is the dense part
+plus the routed experts the step's Σ x tokens are expected to touch (`ModelShape`), so big
+batches read more expert weights than small ones. (`linear_flops` already uses the *active*
+parameters: dense part + top-k routed + shared experts.)
 
 `decode_kv_bytes` is the extra cost of decode attention per KV byte: a decode reads its whole
 context for a single query (no reuse, its own kernel), while a prefill chunk amortises the read
@@ -88,7 +93,8 @@ class CostModel:
         self.s_per_kv_token = coef["bytes_moved"] * shape.kv_bytes_per_token
         self.s_per_decode_kv_token = coef["decode_kv_bytes"] * shape.kv_bytes_per_token
         self.s_per_request = coef["num_requests"]
-        self.s_per_step = coef["step"] + coef["bytes_moved"] * shape.weight_bytes
+        self.s_per_step = coef["step"] + coef["bytes_moved"] * shape.dense_weight_bytes
+        self.s_per_expert_byte = coef["bytes_moved"] * shape.expert_bytes  # x distinct experts
 
     # -- prediction ------------------------------------------------------------------------
     def features(self, chunks: Sequence[ChunkShape]) -> np.ndarray:
@@ -102,7 +108,7 @@ class CostModel:
         decode_kv_tokens = sum(c.context_len + 1 for c in chunks if c.num_new_tokens == 1)
         kvb = float(s.kv_bytes_per_token)
         return np.array([2.0 * s.active_params * sum_x, float(s.attention_flops_per_pair) * pairs,
-                         s.weight_bytes + kvb * kv_tokens, kvb * decode_kv_tokens,
+                         s.weight_bytes_read(sum_x) + kvb * kv_tokens, kvb * decode_kv_tokens,
                          float(len(chunks)), 1.0])
 
     def predict(self, chunks: Sequence[ChunkShape]) -> float:
@@ -171,6 +177,7 @@ class StepCostEstimate:
     model: CostModel
     num_requests: int = 0
     predicted_time_s: float = field(default=0.0)
+    num_tokens: int = 0
 
     def added_time_s(self, context_len: int, num_new_tokens: int) -> float:
         """Seconds that adding this request's chunk would add to the step (0 for no tokens)."""
@@ -181,13 +188,22 @@ class StepCostEstimate:
         added = (a * x + b) * x + c
         if num_new_tokens == 1:  # decode attention reads the whole context for one query
             added += self.model.s_per_decode_kv_token * (context_len + 1)
-        return added
+        return added + self._expert_read_time_s(num_new_tokens)
+
+    def _expert_read_time_s(self, num_new_tokens: int) -> float:
+        """MoE: time to read the experts these tokens touch that the step's earlier tokens did not."""
+        m = self.model
+        if not m.s_per_expert_byte:
+            return 0.0
+        distinct = m.shape.expected_distinct_experts
+        return m.s_per_expert_byte * (distinct(self.num_tokens + num_new_tokens) - distinct(self.num_tokens))
 
     def add(self, context_len: int, num_new_tokens: int) -> None:
         if num_new_tokens <= 0:
             return
         self.predicted_time_s += self.added_time_s(context_len, num_new_tokens)
         self.num_requests += 1
+        self.num_tokens += num_new_tokens
 
     def max_new_tokens_within(self, context_len: int, max_tokens: int, time_left_s: float
                               ) -> int:
@@ -206,6 +222,14 @@ class StepCostEstimate:
         else:
             return max_tokens
         n = int(min(float(max_tokens), math.floor(x)))
+        if self.model.s_per_expert_byte and n > 2:
+            # The concave expert-read term is not in the quadratic, so n over-estimates: find
+            # the largest prefill chunk (added time increases with x for x >= 2) by bisection.
+            lo, hi = 2, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.added_time_s(context_len, mid) <= time_left_s else (lo, mid - 1)
+            n = lo
         # Guard the float solve: step down / up by one where rounding put us off the root.
         while n > 0 and self.added_time_s(context_len, n) > time_left_s:
             n -= 1

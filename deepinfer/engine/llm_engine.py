@@ -18,7 +18,8 @@ from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetri
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
-from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache, parse_memory
+from deepinfer.runtime.kv_cache import parse_memory
+from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
 from deepinfer.sampling_params import SamplingParams
@@ -52,9 +53,12 @@ class LLMEngine:
         self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        spec = KVCacheSpec.from_model_config(self.model_config, config.block_size, self.dtype)
+        spec = kv_cache_spec_for(self.model_config, config.block_size, self.dtype)  # MHA/GQA or MLA latent
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(parse_memory(config.kv_cache_memory))
-        self.cache = PagedKVCache(spec, num_blocks, self.device)
+        self.cache = allocate_kv_cache(spec, num_blocks, self.device)
+        logger.info("KV cache: %d bytes per token (%s), %d blocks hold %d tokens",
+                    kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
+                    num_blocks, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

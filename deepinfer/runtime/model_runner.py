@@ -24,6 +24,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         kernel = load_decode_kernel() if device.type == "cpu" else None
         self.decode_kernel = kernel if kernel and kernel.supports(cache.spec.dtype, device) else None
+        if getattr(cache.spec, "is_latent", False):
+            self.decode_kernel = None  # the C kernel reads per-head K/V blocks
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -33,7 +35,7 @@ class ModelRunner:
         # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.
         ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)
         input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
-        attn = PagedAttention(self.cache, meta, self.num_heads, self.decode_kernel)
+        attn = self._attention_backend(meta)
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         sampled: dict[str, int] = {}
         logprobs = {}
@@ -44,6 +46,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(sampled, logprobs, step_time_s=time.perf_counter() - start)
+
+    def _attention_backend(self, meta: AttentionMetadata):
+        """Per-head K/V cache -> PagedAttention; latent (MLA) cache -> PagedMLAAttention."""
+        if getattr(self.cache.spec, "is_latent", False):
+            from deepinfer.runtime.mla_attention import PagedMLAAttention
+            return PagedMLAAttention(self.cache, meta)
+        return PagedAttention(self.cache, meta, self.num_heads, self.decode_kernel)
 
     def _prepare(self, ordered: list[ScheduledRequest]):
         bs = self.block_size

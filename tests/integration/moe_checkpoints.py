@@ -1,7 +1,8 @@
 """Tiny random-weight MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3) for reference tests.
 
-Every parameter is re-drawn from a seeded generator. Router weights are drawn ~6x larger than
-the rest so that expert choices are decisive (top-k score gaps far above fp32 noise), and
+Every parameter is re-drawn from a seeded generator. Router and LM-head weights are drawn ~5x
+larger than the rest so that expert choices and greedy tokens are decisive (score gaps far
+above fp32 noise), and
 DeepSeek's `e_score_correction_bias` is non-zero so that selection differs from the weights.
 Checkpoints are written by transformers' `save_pretrained` (per-expert tensors).
 """
@@ -72,6 +73,8 @@ def tiny_moe_model(kind: str, seed: int = 0):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.gate.weight"):  # routers: decisive expert choices
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name == "lm_head.weight":  # logits spread wide: top-2 gaps far above fp32 noise
+                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
         for name, buf in model.named_buffers():
