@@ -14,6 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # what the engine messages carry
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -63,7 +66,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -111,6 +111,10 @@ def sse_event(payload: BaseModel | dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+_MIN_TEMPERATURE = 1e-5  # below: greedy (a float32 division would overflow to inf / nan)
+_MIN_TOP_P = 1e-7  # below: the same single top token, but still > 0 in float32
+
+
 class OpenAIServing:
     """Shared request handling for one served model."""
 
@@ -167,24 +171,34 @@ class OpenAIServing:
                               "completion).", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def check_token_ids(self, token_ids: list[int]) -> None:
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         vocab_size = self.client.vocab_size
         for token_id in token_ids:
             if not 0 <= token_id < vocab_size:
                 raise bad_request(f"Token id {token_id} is out of vocabulary "
-                                  f"[0, {vocab_size})", param="prompt")
+                                  f"[0, {vocab_size})", param=param)
 
-    @staticmethod
-    def make_sampling_params(request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def make_sampling_params(self, request, max_tokens: int, logprobs: int | None
+                             ) -> SamplingParams:
+        """The engine's params. Values the OpenAI API allows but the engine's float32
+        sampling cannot represent are mapped to what they mean (as vLLM does): a temperature
+        below 1e-5 is greedy, a top_p below 1e-7 keeps the top token, a top_k of at least
+        the vocabulary keeps every token."""
+        temperature = 1.0 if request.temperature is None else request.temperature
+        if 0.0 < temperature < _MIN_TEMPERATURE:
+            temperature = 0.0
+        top_p = 1.0 if request.top_p is None else max(request.top_p, _MIN_TOP_P)
+        top_k = request.top_k if request.top_k is not None else 0
+        if top_k >= self.client.vocab_size:
+            top_k = 0
+        stop_token_ids = request.stop_token_ids or []
+        self.check_token_ids(stop_token_ids, param="stop_token_ids")
         try:
             return SamplingParams(
-                n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k if request.top_k is not None else 0,
+                n=request.n, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=request.min_p if request.min_p is not None else 0.0,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
-                stop=request.stop or [], stop_token_ids=request.stop_token_ids or [],
+                stop=request.stop or [], stop_token_ids=stop_token_ids,
                 ignore_eos=request.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output)
