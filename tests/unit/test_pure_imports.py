@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Add sim/ here when it lands; a listed name that does not exist fails.
-PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing")
+# A listed name that does not exist fails.
+PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing", "deepinfer.sim")
 PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb")
 BLOCKED = ("torch", "zmq", "fastapi", "ray", "redis")
 

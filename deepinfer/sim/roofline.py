@@ -1,0 +1,119 @@
+"""Analytic step time of one worker (a group of accelerators) from a roofline. Pure.
+
+A worker is `num_accelerators` GPUs running attention data-parallel (each GPU holds the dense
+weights and a 1/G share of the requests) and the routed experts expert-parallel over an EP
+group of `ep_size` GPUs (the worker and its peers in the group are assumed equally loaded, as
+the routers and EPLB aim for). Per GPU and step:
+
+    linear phase     max(2 · active_params · tokens / (flops · mfu),
+                         (dense weights + touched local experts) / (hbm_bw · bw_eff))
+    attention phase  max(attn_flops_per_pair · pairs / (flops · attn_mfu),
+                         kv_bytes · Σ(P + x) / (hbm_bw · bw_eff))
+    EP all-to-all    tokens · top_k · hidden · (dispatch + combine bytes) per MoE layer,
+                     the share leaving the node over the NIC, the rest over NVLink,
+                     plus `a2a_latency_s` per dispatch and per combine
+    step             max(compute, all-to-all) with two-micro-batch overlap, else their sum,
+                     plus `step_overhead_s`
+
+Prefill chunks (x > 1) use the expanded-MLA attention FLOPs, decodes the absorbed form.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.core.cost_model import ChunkShape
+from deepinfer.sim.analytic_model import AnalyticModel
+from deepinfer.sim.hardware import AcceleratorSpec
+
+
+@dataclass(frozen=True)
+class RooflineConfig:
+    """Deployment and efficiency assumptions (all stated in reports)."""
+
+    num_accelerators: int = 8  # GPUs of one worker
+    ep_size: int | None = None  # GPUs in the expert-parallel group (None: the worker's)
+    mfu: float = 0.6  # achieved / peak FLOP/s of the GEMMs
+    attn_mfu: float = 0.4  # achieved / peak FLOP/s of attention kernels
+    bw_eff: float = 0.8  # achieved / peak HBM bandwidth
+    net_eff: float = 0.8  # achieved / peak link bandwidth
+    a2a_latency_s: float = 20e-6  # fixed cost of one dispatch or combine
+    overlap_comm: bool = True  # two micro-batches hide all-to-all behind compute
+    step_overhead_s: float = 1e-3  # launch, scheduling, sampling
+    num_redundant_experts: int = 0  # EPLB replicas over the EP group (per layer)
+
+    def __post_init__(self) -> None:
+        if self.num_accelerators < 1 or (self.ep_size is not None and self.ep_size < 1):
+            raise ValueError("num_accelerators and ep_size must be >= 1")
+        for name in ("mfu", "attn_mfu", "bw_eff", "net_eff"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
+        if self.a2a_latency_s < 0 or self.step_overhead_s < 0 or self.num_redundant_experts < 0:
+            raise ValueError("latencies, overheads and redundant experts must be >= 0")
+
+
+class RooflineStepTime:
+    """`step_time_s(chunks)` for one worker; see the module docstring for the formula."""
+
+    def __init__(self, model: AnalyticModel, accel: AcceleratorSpec,
+                 config: RooflineConfig | None = None) -> None:
+        self.model = model
+        self.accel = accel
+        self.config = config or RooflineConfig()
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.ep_size or self.config.num_accelerators
+
+    def breakdown(self, chunks: Sequence[ChunkShape]) -> dict[str, float]:
+        """Seconds of each term of one step (per GPU)."""
+        m, a, c = self.model, self.accel, self.config
+        g = c.num_accelerators
+        tokens = sum(ch.num_new_tokens for ch in chunks) / g
+        prefill_pairs = sum(ch.num_new_tokens * (ch.context_len + ch.num_new_tokens / 2)
+                            for ch in chunks if ch.num_new_tokens > 1) / g
+        decode_pairs = sum(ch.context_len + 1 for ch in chunks if ch.num_new_tokens == 1) / g
+        kv_tokens = sum(ch.context_len + ch.num_new_tokens for ch in chunks) / g
+        flops = a.flops(m.compute_dtype)
+        linear_compute = 2.0 * m.active_params * tokens / (flops * c.mfu)
+        weights = m.dense_weight_bytes + self._local_expert_bytes(tokens)
+        linear_memory = weights / (a.hbm_bytes_per_s * c.bw_eff)
+        attn_flops = (m.prefill_attn_flops_per_pair * prefill_pairs
+                      + m.decode_attn_flops_per_pair * decode_pairs)
+        attn_compute = attn_flops / (a.bf16_flops * c.attn_mfu)
+        attn_memory = m.kv_bytes_per_token * kv_tokens / (a.hbm_bytes_per_s * c.bw_eff)
+        return {"linear": max(linear_compute, linear_memory),
+                "attention": max(attn_compute, attn_memory),
+                "all_to_all": self._all_to_all_s(tokens),
+                "overhead": c.step_overhead_s}
+
+    def step_time_s(self, chunks: Sequence[ChunkShape]) -> float:
+        if not chunks:
+            return 0.0
+        t = self.breakdown(chunks)
+        compute = t["linear"] + t["attention"]
+        if self.config.overlap_comm:
+            return max(compute, t["all_to_all"]) + t["overhead"]
+        return compute + t["all_to_all"] + t["overhead"]
+
+    def _local_expert_bytes(self, tokens_per_gpu: float) -> float:
+        """Routed-expert bytes one GPU reads: its experts that any token of the group touches."""
+        m = self.model
+        if not m.is_moe:
+            return 0.0
+        slots = (m.num_experts + self.config.num_redundant_experts) / self.ep_size
+        group_tokens = tokens_per_gpu * self.ep_size
+        touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** group_tokens
+        return slots * touched * m.expert_bytes_per_layer * m.num_moe_layers
+
+    def _all_to_all_s(self, tokens_per_gpu: float) -> float:
+        m, a, c = self.model, self.accel, self.config
+        if not m.is_moe or self.ep_size <= 1 or tokens_per_gpu <= 0:
+            return 0.0
+        per_layer = tokens_per_gpu * m.ep_bytes_per_token_layer * (self.ep_size - 1) / self.ep_size
+        in_node = min(self.ep_size, a.gpus_per_node) / self.ep_size
+        # NVLink and the NIC carry their shares at the same time (DeepEP-style).
+        seconds = per_layer * max((1.0 - in_node) / (a.network_bytes_per_s * c.net_eff),
+                                  in_node / (a.nvlink_bytes_per_s * c.net_eff))
+        return m.num_moe_layers * (seconds + 2 * c.a2a_latency_s)

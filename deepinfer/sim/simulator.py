@@ -1,0 +1,288 @@
+"""`ClusterSimulator`: a discrete-event run of the engine's schedulers and routers. Pure.
+
+Each worker is the engine's `Scheduler` + `KVCacheManager` (`sim_worker`); the front is the
+engine's prefill and decode routers fed with the same `WorkerLoad` snapshots the real workers
+publish (after every step and on every input). Where the engine runs the model, the
+simulator asks a step-time model (a measured cost profile or a roofline) how long the step
+takes, then applies a `StepResult` with one sampled token per finished chunk.
+
+Life of a request, as in `cluster/`: arrival → prefill router → prefill worker (shared store
+blocks loaded into its device cache before queuing; blocking, at store bandwidth) → first
+token → KV staged, prompt blocks written through to the store (background) → decode router →
+decode worker allocates (FIFO while full) → KV transfer (latency + bytes / bandwidth, one at a
+time per destination) → running decode until `output_len` tokens. Colocated: arrival →
+router (when there are several instances) → one scheduler does everything.
+
+Host contention: with `host_cores`, a step that starts while workers using more threads than
+cores are busy is stretched by busy threads / cores (the CPU validation runs four workers on
+two cores). Time is simulated; nothing reads the clock.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+from deepinfer.bench.workloads import BenchRequest
+from deepinfer.core.cost_model import ChunkShape
+from deepinfer.core.prefix_hash import hash_request_blocks
+from deepinfer.core.request import Request, RequestStatus
+from deepinfer.core.scheduler_output import StepResult
+from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_router,
+                               build_prefill_router)
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sim.cluster_spec import ClusterSpec
+from deepinfer.sim.prefix_store import SimPrefixStore
+from deepinfer.sim.sim_request import SimRequest
+from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
+from deepinfer.sim.step_time import build_step_time
+
+SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
+
+
+class ClusterSimulator:
+    def __init__(self, cluster: ClusterSpec, *, check_invariants: bool = False) -> None:
+        self.cluster = cluster
+        self.check = check_invariants
+        self.workers: dict[str, SimWorker] = {}
+        self.pools: dict[str, list[SimWorker]] = {}
+        for pool in cluster.pools:
+            step_model, cost_model = build_step_time(pool.cost)
+            self.pools[pool.role] = []
+            for i in range(pool.num_workers):
+                worker = SimWorker(f"{pool.role}-{i}", pool.role, pool.engine,
+                                   build_scheduler(pool.engine, cost_model), step_model)
+                self.workers[worker.worker_id] = worker
+                self.pools[pool.role].append(worker)
+        self.prefill_router = build_prefill_router(cluster.prefill_router)
+        self.decode_router = build_decode_router(cluster.decode_router)
+        self.store = (SimPrefixStore(cluster.prefix_store.capacity_blocks)
+                      if cluster.prefix_store is not None and cluster.disaggregated else None)
+        self.requests: dict[str, SimRequest] = {}
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self._link_free_at: dict[str, float] = {}  # per decode worker: inbound KV link
+        self.num_transfers = 0
+        self.transfer_bytes = 0.0
+        for worker in self.workers.values():
+            self._publish(worker)
+
+    # ---- event loop ------------------------------------------------------------------------
+    def _at(self, time_s: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), fn, args))
+
+    def run(self, requests: list[BenchRequest], max_sim_time_s: float | None = None
+            ) -> list[SimRequest]:
+        """Simulate `requests` (arrival times from 0) to completion; returns their records in
+        input order. `max_sim_time_s` stops early (unfinished requests stay not done)."""
+        records = []
+        for i, bench in enumerate(requests):
+            record = SimRequest(f"sim-{i}", list(bench.prompt_token_ids), bench.output_len,
+                                bench.arrival_time_s)
+            self.requests[record.request_id] = record
+            records.append(record)
+            self._at(bench.arrival_time_s, self._on_arrival, record)
+        while self._events:
+            time_s, _, fn, args = heapq.heappop(self._events)
+            if max_sim_time_s is not None and time_s > max_sim_time_s:
+                break
+            self.now = time_s
+            fn(*args)
+        return records
+
+    # ---- front door ------------------------------------------------------------------------
+    def _entry_pool(self) -> list[SimWorker]:
+        return self.pools["prefill"] if self.cluster.disaggregated else self.pools["colocated"]
+
+    def _on_arrival(self, record: SimRequest) -> None:
+        pool = self._entry_pool()
+        block_size = pool[0].engine.block_size
+        if len(pool) == 1:
+            worker = pool[0]
+        else:
+            routing = RoutingRequest(
+                request_id=record.request_id, num_prompt_tokens=record.prompt_len,
+                block_hashes=hash_request_blocks(record.prompt_token_ids[:4 * block_size],
+                                                 block_size))
+            loads = [w.last_load for w in pool]
+            try:
+                worker = self.workers[self.prefill_router.route(routing, loads, self.now)]
+            except (NoWorkerAvailable, ValueError) as e:
+                record.error = str(e)
+                return
+        record.prefill_worker = worker.worker_id
+        self._deliver(worker, record)
+
+    def _deliver(self, worker: SimWorker, message) -> None:
+        delay = self.cluster.front_latency_ms / 1e3
+        self._at(self.now + delay, self._on_input, worker, message)
+
+    def _on_input(self, worker: SimWorker, message) -> None:
+        worker.inbox.append(message)
+        if not worker.busy:
+            self._start_step(worker)
+
+    # ---- worker steps ----------------------------------------------------------------------
+    def _handle_inputs(self, worker: SimWorker) -> bool:
+        handled = bool(worker.inbox)
+        while worker.inbox:
+            message = worker.inbox.popleft()
+            if isinstance(message, Handoff):
+                prompt_len = self.requests[message.request_id].prompt_len
+                worker.waiting_alloc.append((message, prompt_len))
+            else:
+                self._admit_new(worker, message)
+        if worker.role == "decode":
+            handled = self._allocate_waiting(worker) or handled
+        return handled
+
+    def _admit_new(self, worker: SimWorker, record: SimRequest) -> None:
+        kv = worker.scheduler.kv
+        record.block_hashes = hash_request_blocks(record.prompt_token_ids, kv.block_size,
+                                                  kv.hash_salt)
+        if self.store is not None and worker.role == "prefill" and kv.enable_prefix_caching:
+            usable = record.block_hashes[:(record.prompt_len - 1) // kv.block_size]
+            load = kv.load_prefix_blocks(usable, self.store.get, lambda block_id, payload: None)
+            if load.num_loaded_blocks:
+                record.num_store_tokens = load.num_loaded_blocks * kv.block_size
+                num_bytes = record.num_store_tokens * worker.step_model.kv_bytes_per_token
+                worker.stall_s += self.cluster.prefix_store.link.seconds(num_bytes)
+        params = SamplingParams(temperature=0.0, max_tokens=record.output_len, ignore_eos=True)
+        request = Request(record.request_id, record.prompt_token_ids, params, record.arrival_s)
+        request.block_hashes = list(record.block_hashes)
+        try:
+            worker.scheduler.add_request(request)
+        except ValueError as e:
+            record.error = str(e)
+
+    def _start_step(self, worker: SimWorker) -> None:
+        if self._handle_inputs(worker):
+            self._publish(worker)
+        if not worker.has_work():
+            worker.busy = False
+            return
+        output = worker.scheduler.schedule(self.now)
+        if output.is_empty:
+            # Nothing fits now (e.g. blocks held by transfers); a later event wakes the worker.
+            self._apply(worker, output, StepResult({}))
+            worker.busy = False
+            return
+        chunks = [ChunkShape(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
+        step_s = worker.step_model.step_time_s(chunks) * self._contention(worker) + worker.stall_s
+        worker.stall_s = 0.0
+        worker.busy, worker.output, worker.step_time_s = True, output, step_s
+        worker.peak_kv_usage = max(worker.peak_kv_usage, worker.scheduler.kv.usage)
+        self._at(self.now + step_s, self._finish_step, worker)
+
+    def _contention(self, worker: SimWorker) -> float:
+        cores = self.cluster.host_cores
+        if cores is None:
+            return 1.0
+        threads = sum(w.engine.threads for w in self.workers.values() if w.busy or w is worker)
+        return max(1.0, threads / cores)
+
+    def _finish_step(self, worker: SimWorker) -> None:
+        output = worker.output
+        sampled = {s.request_id: SAMPLED_TOKEN_ID for s in output.scheduled if s.sample}
+        self._apply(worker, output, StepResult(sampled, step_time_s=worker.step_time_s))
+        worker.busy_time_s += worker.step_time_s
+        worker.num_steps += 1
+        worker.busy, worker.output = False, None
+        self._publish(worker)
+        self._start_step(worker)
+
+    def _apply(self, worker: SimWorker, output, result: StepResult) -> None:
+        sched = worker.scheduler
+        update = sched.update(output, result)
+        if self.check:
+            worker.check_invariants()
+        for request_id in update.new_token_ids:
+            record = self.requests[request_id]
+            record.token_times_s.append(self.now)
+            if record.num_cached_tokens is None:
+                request = sched.requests.get(request_id)
+                cached = request.num_cached_tokens if request is not None else None
+                if cached is None:
+                    cached = next((r.num_cached_tokens for r in update.finished
+                                   if r.request_id == request_id), 0)
+                record.num_cached_tokens = cached or 0
+                record.num_store_tokens = min(record.num_store_tokens, record.num_cached_tokens)
+        for request in update.finished:
+            record = self.requests[request.request_id]
+            if request.status == RequestStatus.FINISHED_LENGTH and \
+                    request.num_output_tokens < record.output_len:
+                record.error = "prompt does not fit the KV cache"
+            record.finished_s = self.now
+        if worker.role == "prefill":
+            for request_id in update.new_token_ids:
+                if request_id in sched.requests:  # not finished by its first token
+                    self._hand_off(worker, request_id)
+
+    # ---- disaggregation --------------------------------------------------------------------
+    def _hand_off(self, worker: SimWorker, request_id: str) -> None:
+        record = self.requests[request_id]
+        worker.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        if self.store is not None:
+            num_bytes = record.prompt_len * worker.step_model.kv_bytes_per_token
+            self._at(self.now + self.cluster.prefix_store.link.seconds(num_bytes),
+                     self.store.put_many, list(record.block_hashes))
+        routing = RoutingRequest(request_id=request_id, num_prompt_tokens=record.prompt_len,
+                                 expected_output_tokens=record.output_len)
+        loads = [w.last_load for w in self.pools["decode"]]
+        try:
+            target = self.workers[self.decode_router.route(routing, loads, self.now)]
+        except (NoWorkerAvailable, ValueError) as e:
+            record.error = f"no decode worker: {e}"
+            return
+        record.decode_worker = target.worker_id
+        self._deliver(target, Handoff(request_id, SAMPLED_TOKEN_ID))
+
+    def _allocate_waiting(self, worker: SimWorker) -> bool:
+        """FIFO: allocate blocks for prompts whose KV will arrive; start their transfers."""
+        started = False
+        while worker.waiting_alloc:
+            handoff, prompt_len = worker.waiting_alloc[0]
+            record = self.requests[handoff.request_id]
+            params = SamplingParams(temperature=0.0, max_tokens=record.output_len,
+                                    ignore_eos=True)
+            request = Request(record.request_id, record.prompt_token_ids, params,
+                              record.arrival_s)
+            request.block_hashes = list(record.block_hashes)
+            request.append_output_token(handoff.first_token_id)
+            try:
+                block_ids = worker.scheduler.allocate_for_transfer(request)
+            except ValueError as e:
+                worker.waiting_alloc.popleft()
+                record.error = str(e)
+                continue
+            if block_ids is None:
+                break  # wait for blocks to free up
+            worker.waiting_alloc.popleft()
+            worker.transferring[handoff.request_id] = prompt_len
+            self._start_transfer(worker, handoff.request_id, prompt_len)
+            started = True
+        return started
+
+    def _start_transfer(self, worker: SimWorker, request_id: str, prompt_len: int) -> None:
+        link = self.cluster.kv_transfer
+        num_bytes = prompt_len * worker.step_model.kv_bytes_per_token
+        start = max(self.now, self._link_free_at.get(worker.worker_id, 0.0))
+        wire_s = num_bytes / (link.bandwidth_gb_s * 1e9)
+        self._link_free_at[worker.worker_id] = start + wire_s
+        self.num_transfers += 1
+        self.transfer_bytes += num_bytes
+        self._at(start + wire_s + link.latency_ms / 1e3, self._on_transfer_done, worker,
+                 request_id)
+
+    def _on_transfer_done(self, worker: SimWorker, request_id: str) -> None:
+        worker.transferring.pop(request_id)
+        worker.scheduler.admit_transferred(request_id)
+        if not worker.busy:
+            self._start_step(worker)
+
+    # ---- load reports ----------------------------------------------------------------------
+    def _publish(self, worker: SimWorker) -> None:
+        worker.last_load = worker.load(self.now)
+        router = self.decode_router if worker.role == "decode" else self.prefill_router
+        router.on_load_report(worker.last_load)

@@ -1,0 +1,75 @@
+"""Step-time models the simulator puts in place of the model runner. Pure.
+
+A step-time model answers `step_time_s(chunks)` for the batch a scheduler produced, and knows
+`kv_bytes_per_token` (for KV transfers and store loads). Two kinds:
+
+  ProfileStepTime    a measured cost profile (`deepinfer profile` JSON, the engine's own
+                     `core.cost_model.CostModel`), optionally scaled
+  RooflineStepTime   an analytic accelerator + model description (`sim.roofline`)
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+from deepinfer.core.cost_model import ChunkShape, CostModel, StepSample
+from deepinfer.core.model_shape import ModelShape
+
+
+class StepTimeModel(Protocol):
+    kv_bytes_per_token: int
+
+    def step_time_s(self, chunks: Sequence[ChunkShape]) -> float: ...
+
+
+class ProfileStepTime:
+    """A measured profile: step time = the cost model's prediction × `time_scale`."""
+
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0) -> None:
+        if not time_scale > 0:
+            raise ValueError("time_scale must be positive")
+        self.cost_model = cost_model
+        self.time_scale = time_scale
+        self.kv_bytes_per_token = cost_model.shape.kv_bytes_per_token
+
+    def step_time_s(self, chunks: Sequence[ChunkShape]) -> float:
+        return self.cost_model.predict(chunks) * self.time_scale if chunks else 0.0
+
+
+def load_cost_profile(path: str) -> CostModel:
+    """A `deepinfer profile` JSON as the engine's CostModel (ValueError when unreadable)."""
+    try:
+        with open(os.path.expanduser(path)) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read cost profile {path}: {e}") from None
+    return CostModel.from_dict(data)
+
+
+def fitted_cost_model(step_model: StepTimeModel, shape: ModelShape) -> CostModel:
+    """The engine's CostModel fitted to an analytic step-time model over a grid of batches,
+    so compute-aware budgets and the prefill router can use it as they use a profile."""
+    samples = []
+    for x in (16, 128, 512, 2048, 8192):
+        for p in (0, 2048, 8192):
+            samples.append(StepSample((ChunkShape(p, x),), step_model.step_time_s([ChunkShape(p, x)])))
+    for b in (1, 16, 64, 256, 1024):
+        for c in (512, 4096):
+            batch = tuple(ChunkShape(c, 1) for _ in range(b))
+            samples.append(StepSample(batch, step_model.step_time_s(batch)))
+    return CostModel.fit(shape, samples, metadata={"fitted_to": "roofline"})
+
+
+def build_step_time(cost) -> tuple[StepTimeModel, CostModel]:
+    """(step-time model, the engine's CostModel for budgets and routing) for a `CostSpec`."""
+    if cost.profile is not None:
+        model = load_cost_profile(cost.profile)
+        return ProfileStepTime(model, cost.time_scale), model
+    from deepinfer.sim.analytic_model import analytic_model
+    from deepinfer.sim.hardware import accelerator
+    from deepinfer.sim.roofline import RooflineStepTime
+    spec = analytic_model(cost.model)
+    step = RooflineStepTime(spec, accelerator(cost.accelerator), cost.roofline)
+    return step, fitted_cost_model(step, spec.model_shape())
