@@ -221,10 +221,15 @@ class EngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._num_requests_sent += 1  # before the await: a concurrent 429 check sees it
             logger.debug("add %s", request_id)
-            await self._send(AddRequest(request_id, list(prompt_token_ids), params,
-                                        arrival_time or time.monotonic()))
+            try:
+                frame = self._encoder.encode(AddRequest(request_id, list(prompt_token_ids),
+                                                        params, arrival_time or time.monotonic()))
+            except (OverflowError, TypeError) as e:  # a value the wire cannot carry
+                finished = True
+                raise ValueError(f"invalid request parameters: {e}") from None
+            self._num_requests_sent += 1  # before the await: a concurrent 429 check sees it
+            await self._send_frame(frame)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, _RequestFailed):
@@ -245,10 +250,12 @@ class EngineClient:
             pass  # a dead engine holds no state to free
 
     async def _send(self, message) -> None:
+        await self._send_frame(self._encoder.encode(message))
+
+    async def _send_frame(self, frame: bytes) -> None:
         """Never blocks (unbounded queue): no engine connected means it is gone."""
         try:
-            await self._input.send(self._encoder.encode(message), copy=False,
-                                   flags=zmq.NOBLOCK)
+            await self._input.send(frame, copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"engine is not reachable ({e})") from None
 

@@ -179,6 +179,11 @@ class EngineLoop:
             self.tracker.add_request(message.request_id, message.sampling_params)
         except ValueError as e:
             self._pending_errors.append(RequestError(message.request_id, str(e)))
+        except Exception as e:  # one bad request must not take down every other one
+            logger.exception("request %s rejected", message.request_id)
+            self._pending_errors.append(RequestError(
+                message.request_id, f"the engine cannot run this request: "
+                                    f"{type(e).__name__}: {e}"))
 
     def _send_outputs(self, deltas: list[RequestDelta]) -> None:
         stats = _stats_snapshot(self.engine, self.num_requests_received)

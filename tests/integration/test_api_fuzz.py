@@ -13,8 +13,6 @@ import pytest
 from tests.integration.api_fuzz_cases import CaseGenerator, run_cases
 from tests.integration.serve_process import metric, scrape_metrics, wait_for_metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
 SEED = 20240607
 NUM_CASES = 300
 VOCAB_SIZE = 49152  # SmolLM2, the default model
@@ -23,6 +21,8 @@ GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 
           "return_token_ids": True}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_fuzzed_requests_get_no_5xx_no_hang_and_the_server_keeps_serving(small_server):
     url = small_server.url
     before = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=60)
@@ -50,3 +50,20 @@ def test_fuzzed_requests_get_no_5xx_no_hang_and_the_server_keeps_serving(small_s
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["token_ids"] == before.json()["choices"][0]["token_ids"]
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_engine_loop_rejects_a_request_it_cannot_add_instead_of_dying():
+    """Not only ValueError: any error adding one request is that request's error."""
+    from types import SimpleNamespace
+
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.server.engine_proc import EngineLoop
+    from deepinfer.server.messages import AddRequest
+
+    def add_request(*args, **kwargs):
+        raise OverflowError("Python int too large to convert to C long")
+
+    loop = EngineLoop(SimpleNamespace(add_request=add_request), None, None)
+    loop._handle(AddRequest("r1", [1, 2], SamplingParams(), 0.0))
+    [error] = loop._pending_errors
+    assert error.request_id == "r1" and "OverflowError" in error.message
