@@ -111,7 +111,8 @@ def test_truncation_of_random_rows_matches_reference():
         # Rounded logits produce many exact ties.
         rows.append((torch.randn(vocab, generator=gen) * 2).round(decimals=0).tolist())
         params.append(sp(temperature=[0.5, 1.0, 1.7][i % 3], top_k=[0, 1, 3, 5][i % 4],
-                         top_p=[1.0, 0.3, 0.6, 0.9, 0.97][i % 5], min_p=[0.0, 0.05, 0.3][i % 7 % 3]))
+                         top_p=[1.0, 0.3, 0.6, 0.9, 0.97][i % 5],
+                         min_p=[0.0, 0.05, 0.3][i % 7 % 3]))
     logits = torch.tensor(rows)
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     out = truncate_logits(logits / temps, params)

@@ -36,8 +36,8 @@ def send(body: bytes, endpoint: str = "completions"):
 
     async def go():
         fmt = "text" if endpoint == "chat" else "tokens"
-        client = ServeClient(ClientConfig(endpoint=endpoint, prompt_format=fmt, show_progress=False),
-                             detokenize=lambda ids: "x" * len(ids))
+        config = ClientConfig(endpoint=endpoint, prompt_format=fmt, show_progress=False)
+        client = ServeClient(config, detokenize=lambda ids: "x" * len(ids))
         await client.http.aclose()
         client.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         try:
