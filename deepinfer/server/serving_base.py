@@ -140,9 +140,9 @@ class OpenAIServing:
         """503 while the engine is down (restarting), 429 over the waiting limit; else the
         reservation that `submit` hands over to the client as each engine request starts."""
         if not self.client.is_healthy:
-            raise APIError(503, "The engine is not available (restarting after a failure); "
-                           "retry later", type="service_unavailable_error",
-                           code="engine_unavailable")
+            reason = (self.client.dead_message or "not running").strip().splitlines()[-1]
+            raise APIError(503, f"The engine is not available ({reason[-300:]}); retry later",
+                           type="service_unavailable_error", code="engine_unavailable")
         return self.gate.admit(num_new_requests)
 
     @staticmethod
