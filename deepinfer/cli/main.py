@@ -9,7 +9,7 @@ import sys
 
 from deepinfer.cli.errors import CLIError
 
-SUBCOMMANDS = ("generate", "serve", "bench", "profile")
+SUBCOMMANDS = ("generate", "serve", "bench", "profile", "simulate", "plan", "economics")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,141 @@
+"""`deepinfer simulate`: run a cluster file against a `bench serve` workload in simulated time.
+
+    deepinfer simulate --cluster cluster.yaml --workload trace:mooncake.jsonl --num-prompts 200 \
+        --time-scale 0.1 --length-scale 0.05 --json sim.json --plot sim.png [--compare run.json]
+
+Writes the same JSON and plot as `deepinfer bench serve` (plus a `simulation` section), so
+`--compare` (or `deepinfer simulate ... --compare measured.json`) diffs the two in one command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags of `deepinfer bench serve` (same names, same defaults)."""
+    w = p.add_argument_group("workload (as bench serve)")
+    w.add_argument("--workload", default="random",
+                   help="random | shared-prefix | trace:PATH (.jsonl Mooncake, .csv Azure)")
+    w.add_argument("--num-prompts", type=int, default=100)
+    w.add_argument("--input-len", type=int, default=256)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--range-ratio", type=float, default=0.0)
+    w.add_argument("--num-groups", type=int, default=4)
+    w.add_argument("--shared-prefix-len", type=int, default=512)
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson req/s (inf: all at once); default: trace timestamps, else inf")
+    w.add_argument("--time-scale", type=float, default=1.0)
+    w.add_argument("--length-scale", type=float, default=1.0)
+    w.add_argument("--max-input-len", type=int, default=None)
+    w.add_argument("--max-output-len", type=int, default=None)
+    w.add_argument("--token-id-range", default="1000,30000")
+    w.add_argument("--seed", type=int, default=0)
+
+
+def workload_config_from_args(args):
+    import os
+
+    from deepinfer.bench.traces import ShrinkConfig
+    from deepinfer.bench.workloads import WorkloadConfig
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(","))
+    except ValueError:
+        raise ValueError("--token-id-range must be LOW,HIGH") from None
+    if args.workload.startswith("trace:") and not os.path.exists(args.workload[6:]):
+        raise ValueError(f"trace file not found: {args.workload[6:]}")
+    return WorkloadConfig(
+        kind=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, num_groups=args.num_groups,
+        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+        time_scale=args.time_scale,
+        shrink=ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len),
+        token_id_range=(low, high), seed=args.seed)
+
+
+def parse_worker_overrides(items: list[str] | None) -> dict[str, int]:
+    """['prefill=2', 'decode=3'] -> {'prefill': 2, 'decode': 3}."""
+    out = {}
+    for item in items or []:
+        role, _, count = item.partition("=")
+        if role not in ("colocated", "prefill", "decode") or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--workers takes ROLE=N (colocated|prefill|decode, N >= 1), "
+                             f"got {item!r}")
+        out[role] = int(count)
+    return out
+
+
+def load_cluster(args):
+    from deepinfer.sim.cluster_spec import load_cluster_file
+    cluster = load_cluster_file(args.cluster)
+    overrides = parse_worker_overrides(args.workers)
+    missing = set(overrides) - {p.role for p in cluster.pools}
+    if missing:
+        raise ValueError(f"--workers: the cluster has no {sorted(missing)} pool")
+    return cluster.with_workers(**overrides) if overrides else cluster
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="simulate a cluster serving a workload (no model run)")
+    p.add_argument("--cluster", required=True, help="cluster file (YAML or JSON)")
+    p.add_argument("--workers", action="append", metavar="ROLE=N",
+                   help="resize a pool, e.g. --workers prefill=2 --workers decode=2")
+    add_workload_args(p)
+    o = p.add_argument_group("report")
+    o.add_argument("--slo-ttft-ms", type=float, default=None)
+    o.add_argument("--slo-tpot-ms", type=float, default=None)
+    o.add_argument("--json", dest="json_path", default=None)
+    o.add_argument("--plot", dest="plot_path", default=None)
+    o.add_argument("--compare", default=None, metavar="JSON",
+                   help="a bench serve (or simulate) JSON to diff the summary against")
+    o.add_argument("--check-invariants", action="store_true",
+                   help="check every scheduler's invariants after each step (slow)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from deepinfer.bench.latency_stats import format_summary
+    from deepinfer.cli.main import CLIError
+    from deepinfer.sim.sim_report import (compare_runs, format_comparison, run_simulation,
+                                          to_bench_json)
+
+    try:
+        cluster = load_cluster(args)
+        workload_cfg = workload_config_from_args(args)
+        measured = None
+        if args.compare:
+            with open(args.compare) as f:
+                measured = json.load(f)
+            if "summary" not in measured:
+                raise ValueError(f"{args.compare} is not a bench serve / simulate JSON")
+        sim_run = run_simulation(cluster, workload_cfg, check_invariants=args.check_invariants)
+    except (ValueError, OSError) as e:
+        raise CLIError(str(e)) from None
+    print(f"workload: {sim_run.workload.description}")
+    print(f"cluster: {cluster.describe()} ({cluster.num_accelerators()} accelerators); "
+          f"simulated {sim_run.duration_s:.1f} s in {sim_run.wall_s:.1f} s")
+    summary = sim_run.summary(args.slo_ttft_ms, args.slo_tpot_ms)
+    print(format_summary(summary, "Simulated Serving Result"))
+    tiers = sim_run.hit_rate_by_tier()
+    if tiers["device"] is not None:
+        print(f"prefix hit rate: device {100 * tiers['device']:.1f}%, "
+              f"store {100 * tiers['store']:.1f}%")
+    for role, stats in sim_run.pool_stats().items():
+        print(f"{role} pool: {stats['workers']} workers, utilisation "
+              f"{100 * stats['utilization']:.1f}%, peak KV {100 * stats['peak_kv_usage']:.1f}%, "
+              f"{stats['num_preemptions']} preemptions")
+    payload = to_bench_json(sim_run, workload_cfg, slo_ttft_ms=args.slo_ttft_ms,
+                            slo_tpot_ms=args.slo_tpot_ms, cluster_source=args.cluster)
+    if measured is not None:
+        print(format_comparison(compare_runs(payload, measured)))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.json_path}")
+    if args.plot_path:
+        from deepinfer.bench.bench_plot import plot_run
+        plot_run(sim_run.results, args.plot_path,
+                 f"simulated {cluster.describe()}: {sim_run.workload.description}")
+        print(f"wrote {args.plot_path}")
+    failed = summary.num_failed
+    return 0 if summary.num_completed and not failed else 1
