@@ -110,7 +110,5 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.dtype = dtype
         self.model = DeepseekV3Model(config, dtype)
-        self.lm_head = None if config.tie_word_embeddings else uninitialized(
-            nn.Linear, config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.logits_linear: nn.Module | None = None
+        self._init_lm_head(config, dtype)
         self.requires_grad_(False)

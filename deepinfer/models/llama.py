@@ -120,13 +120,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, dtype)
+        self._init_lm_head(config, dtype)
+        self.requires_grad_(False)
+
+    def _init_lm_head(self, config: ModelConfig, dtype: torch.dtype) -> None:
         if config.tie_word_embeddings:
             self.lm_head = None  # logits use embed_tokens.weight
         else:
             self.lm_head = uninitialized(nn.Linear, config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        # The plain head, kept outside the module tree: weight packing may replace `lm_head`
+        # with a module that has no `.weight`, and the exact top-k recompute needs it.
+        self._plain_lm_head = (self.lm_head,)
         # An optional faster module computing hidden @ weight.T (runtime.cpu_linear_packing).
         self.logits_linear: nn.Module | None = None
-        self.requires_grad_(False)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
@@ -142,9 +148,11 @@ class LlamaForCausalLM(nn.Module):
         ties. The top `NUM_EXACT_LOGITS` of each row are therefore recomputed in fp32 from
         the same weights: greedy picks and top probabilities are exact, the tail stays rounded.
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self._plain_lm_head[0].weight
         if self.logits_linear is not None:
             logits = self.logits_linear(hidden).float()  # [N, vocab]
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()  # [N, vocab] (maybe a packed module)
         else:
             logits = F.linear(hidden, weight).float()  # [N, vocab]
         if hidden.dtype == torch.float32 or hidden.shape[0] == 0:

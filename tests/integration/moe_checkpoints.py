@@ -59,11 +59,13 @@ def tiny_moe_config(kind: str):
 MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora"]
 
 
-def tiny_moe_model(kind: str, seed: int = 0):
+def tiny_moe_model(kind: str, seed: int = 0, **overrides):
     """A seeded fp32 transformers model with every parameter (and the DeepSeek bias) random."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_moe_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)

@@ -134,3 +134,67 @@ def test_mla_cache_spec_and_bytes(moe_setups):
     # The MHA spec of the same width would need per-head K and V: far more bytes.
     mixtral = resolve_model(moe_setups["mixtral"][1]).config
     assert kv_bytes_per_token(kv_cache_spec_for(mixtral, 16, torch.bfloat16)) == 2 * 3 * 2 * 16 * 2
+
+
+def test_compute_aware_chunks_on_deepseek_match_transformers(moe_setups, tmp_path):
+    """Variable chunk sizes from the compute-aware policy (a synthetic MoE-aware profile whose
+    budget fits a few dozen prompt tokens per step) give the reference tokens."""
+    import json
+
+    from deepinfer.core.cost_model import CostModel
+    from deepinfer.core.model_shape import ModelShape
+    from deepinfer.runtime.model_source import resolve_model
+
+    reference, directory = moe_setups["deepseek_v3"]
+    shape = ModelShape.from_model_config(resolve_model(directory).config, 4)
+    assert shape.num_experts == 8 and shape.expert_bytes > 0
+    coefficients = {"linear_flops": 1e-3 / (2 * shape.active_params),
+                    "attention_flops": 2e-3 / (shape.attention_flops_per_pair * 400),
+                    "bytes_moved": 1e-3 / shape.weight_bytes, "step": 2e-3}
+    profile = tmp_path / "moe_profile.json"
+    profile.write_text(json.dumps(CostModel(shape, coefficients).to_dict()))
+    prompts = random_prompts(seed=9, lengths=(4, 90, 300))
+    llm = make_llm(directory, enable_prefix_caching=False, scheduler="compute-aware",
+                   cost_profile=str(profile), step_time_budget_ms=60.0)
+    outputs = generate_checked(llm, token_prompts(prompts), GREEDY)
+    assert_outputs_match(reference, outputs, prompts, "compute-aware")
+    assert llm.engine.get_stats().num_steps > MAX_TOKENS + 5  # the prompts really were chunked
+
+
+def test_bf16_engine_with_packed_untied_head_runs_moe(moe_setups):
+    """bf16 on CPU packs linear layers (the untied LM head included) for oneDNN; logits still
+    come out, and decisive first tokens equal the fp32 reference."""
+    reference, directory = moe_setups["mixtral"]
+    prompts = random_prompts(seed=10, lengths=(6, 50))
+    from deepinfer import LLM
+    llm = LLM(model=directory, dtype="bfloat16", seed=0, kv_cache_memory="64MiB")
+    outputs = generate_checked(llm, token_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        ref = reference.score(prompt, out.outputs[0].token_ids)
+        if ref.top2_gaps[0] > 0.5:
+            assert out.outputs[0].token_ids[0] == ref.greedy_token_ids[0]
+
+
+@pytest.mark.timeout(300)
+def test_profile_cli_on_tiny_deepseek(tmp_path, default_model_source):
+    """`deepinfer profile` runs on an MoE + MLA model and writes an MoE-aware shape."""
+    import json
+    import subprocess
+    import sys
+
+    directory = tmp_path / "dsv3"
+    tiny_moe_model("deepseek_v3", seed=3, max_position_embeddings=4096).save_pretrained(directory)
+    default_model_source.load_tokenizer().save_pretrained(directory)
+    out = tmp_path / "profile.json"
+    code = "import sys; from deepinfer.cli.main import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", code, "profile", "--model", str(directory),
+                           "--grid", "quick", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert "held-out abs error" in proc.stdout
+    data = json.loads(out.read_text())
+    shape = data["model_shape"]
+    assert shape["num_experts"] == 8 and shape["num_experts_per_tok"] == 2
+    assert shape["kv_bytes_per_token"] == 3 * (32 + 8) * 2  # bf16 latent entry x layers
+    assert data["holdout_median_abs_pct_error"] >= 0
