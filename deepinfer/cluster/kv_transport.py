@@ -7,8 +7,9 @@ first, then *fetches* (pulls) the payload with a timeout; results are polled by 
 loop, which writes them into the allocated blocks.
 
 `ZmqKVTransport` (default) serves pulls on a ROUTER socket over TCP from a background thread
-and fetches on another thread with one DEALER per source; payloads travel as raw frames
-(no pickling, one copy on each side).
+and fetches on another thread with one DEALER per source, every pull in flight at once on one
+poller (a slow or dead source holds up only its own pulls, each with its own deadline);
+payloads travel as raw frames (no pickling, one copy on each side).
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ from deepinfer.cluster.messages import KVPull, KVPullReply
 from deepinfer.kvstore.tensor_codec import _torch_dtype
 
 logger = logging.getLogger(__name__)
+IDLE_SOURCE_CLOSE_S = 60.0  # a source's DEALER with no pull for this long is closed
+
+
+@dataclass(frozen=True)
+class _Pull:
+    addr: str
+    deadline: float
+    start: float
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class ZmqKVTransport(KVTransport):
         self._lock = threading.Lock()
         self._staged: dict[str, tuple[torch.Tensor, float]] = {}  # id -> (kv, deadline)
         self._jobs: deque[tuple[str, str, float]] = deque()
-        self._jobs_cond = threading.Condition(self._lock)
+        self._num_pending = 0
         self._cancelled: set[str] = set()
         self._results: deque[KVFetchResult] = deque()
         self._closed = False
@@ -109,7 +118,15 @@ class ZmqKVTransport(KVTransport):
             port = router.bind_to_random_port(f"tcp://{host}")
             self._address = f"tcp://{host}:{port}"
             self._start(self._serve_loop, router, "kv-serve")
-        self._start(self._fetch_loop, None, "kv-fetch")
+        # fetch()/cancel_fetch() wake the fetch thread's poller through this inproc pair.
+        wake_addr = f"inproc://kv-fetch-wake-{id(self)}"
+        wake_pull = self._ctx.socket(zmq.PULL)
+        wake_pull.bind(wake_addr)
+        self._wake_push = self._ctx.socket(zmq.PUSH)
+        self._wake_push.setsockopt(zmq.SNDHWM, 1)
+        self._wake_push.setsockopt(zmq.LINGER, 0)
+        self._wake_push.connect(wake_addr)
+        self._start(self._fetch_loop, wake_pull, "kv-fetch")
 
     def _start(self, target, arg, name: str) -> None:
         thread = threading.Thread(target=target, args=(arg,) if arg is not None else (),
@@ -159,6 +176,7 @@ class ZmqKVTransport(KVTransport):
             with self._lock:
                 self._counts["bytes_sent"] += raw.nbytes
                 self._counts["num_sent"] += 1
+        router.close(linger=0)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -170,71 +188,147 @@ class ZmqKVTransport(KVTransport):
 
     # --- decode side -------------------------------------------------------------------------
     def fetch(self, request_id: str, source_addr: str, timeout_s: float) -> None:
-        with self._jobs_cond:
+        with self._lock:
             self._cancelled.discard(request_id)
             self._jobs.append((request_id, source_addr, time.monotonic() + timeout_s))
-            self._jobs_cond.notify()
+        self._wake()
 
     def cancel_fetch(self, request_id: str) -> None:
         with self._lock:
             self._cancelled.add(request_id)
+        self._wake()
 
     def poll(self) -> list[KVFetchResult]:
         with self._lock:
             out = list(self._results)
             self._results.clear()
-            return [r for r in out if r.request_id not in self._cancelled]
+            kept = [r for r in out if r.request_id not in self._cancelled]
+            self._cancelled.difference_update(r.request_id for r in out)
+            return kept
 
-    def _fetch_loop(self) -> None:
+    def num_fetching(self) -> int:
+        """Pulls started and not finished, cancelled or timed out (tests, metrics)."""
+        with self._lock:
+            return self._num_pending
+
+    def _wake(self) -> None:
+        # Called from the engine loop thread only (the socket's single user).
+        try:
+            self._wake_push.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already queued
+
+    def _fetch_loop(self, wake_pull: zmq.Socket) -> None:
+        """Every pull in flight at once: one DEALER per source, all multiplexed on one poller,
+        so a slow or dead source delays only its own pulls (each has its own deadline)."""
         encoder, decoder = _codec(KVPullReply)
+        poller = zmq.Poller()
+        poller.register(wake_pull, zmq.POLLIN)
         dealers: dict[str, zmq.Socket] = {}
-        while True:
-            with self._jobs_cond:
-                self._jobs_cond.wait_for(lambda: self._jobs or self._closed, timeout=0.5)
-                if self._closed:
-                    break
-                if not self._jobs:
-                    continue
-                request_id, addr, deadline = self._jobs.popleft()
-                if request_id in self._cancelled:
-                    continue
-            if addr not in dealers:
-                dealers[addr] = self._ctx.socket(zmq.DEALER)
-                dealers[addr].setsockopt(zmq.LINGER, 0)
-                dealers[addr].connect(addr)
-            result = self._fetch_one(dealers[addr], encoder, decoder, request_id, deadline)
+        by_socket: dict[zmq.Socket, str] = {}
+        last_used: dict[str, float] = {}
+        pending: dict[str, _Pull] = {}
+        while not self._closed:
+            now = time.monotonic()
             with self._lock:
-                self._results.append(result)
-                if result.error is None:
-                    self._counts["bytes_received"] += result.num_bytes
-                    self._counts["num_received"] += 1
-                    self._counts["receive_seconds_total"] += result.seconds
-                else:
-                    self._counts["num_failed"] += 1
+                jobs = list(self._jobs)
+                self._jobs.clear()
+                cancelled = set(self._cancelled)
+            dropped = []  # cancelled before any result: nothing will ever report them
+            for request_id, addr, deadline in jobs:
+                if request_id in cancelled:
+                    dropped.append(request_id)
+                    continue
+                dealer = dealers.get(addr)
+                if dealer is None:
+                    dealer = dealers[addr] = self._ctx.socket(zmq.DEALER)
+                    dealer.setsockopt(zmq.LINGER, 0)
+                    dealer.connect(addr)
+                    by_socket[dealer] = addr
+                    poller.register(dealer, zmq.POLLIN)
+                try:
+                    dealer.send(encoder.encode(KVPull(request_id)), zmq.NOBLOCK)
+                except zmq.Again:
+                    self._finish(KVFetchResult(request_id, None, 0, 0.0,
+                                               error="KV transfer failed: the source's send "
+                                                     "queue is full"))
+                    continue
+                pending[request_id] = _Pull(addr, deadline, now)
+                last_used[addr] = now
+            for request_id in [r for r in pending if r in cancelled]:
+                del pending[request_id]  # cancelled: its late reply is dropped below
+                dropped.append(request_id)
+            for request_id in [r for r, p in pending.items() if p.deadline <= now]:
+                pull = pending.pop(request_id)
+                self._finish(KVFetchResult(request_id, None, 0, now - pull.start,
+                                           error="KV transfer timed out"))
+            self._close_idle(dealers, by_socket, last_used, pending, poller, now)
+            with self._lock:
+                self._num_pending = len(pending)
+                self._cancelled.difference_update(dropped)
+            timeout_ms = 500
+            if pending:
+                next_deadline = min(p.deadline for p in pending.values())
+                timeout_ms = max(1, min(timeout_ms, int((next_deadline - now) * 1000) + 1))
+            for sock, _ in poller.poll(timeout_ms):
+                if sock is wake_pull:
+                    while wake_pull.poll(0):
+                        wake_pull.recv()
+                    continue
+                while sock.poll(0):
+                    frames = sock.recv_multipart(copy=False)
+                    result = self._decode_reply(frames, decoder, pending, by_socket[sock])
+                    if result is not None:
+                        self._finish(result)
         for dealer in dealers.values():
             dealer.close(linger=0)
+        wake_pull.close(linger=0)
 
-    def _fetch_one(self, dealer: zmq.Socket, encoder, decoder, request_id: str,
-                   deadline: float) -> KVFetchResult:
-        start = time.monotonic()
-        dealer.send(encoder.encode(KVPull(request_id)))
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not dealer.poll(remaining_ms):
-                return KVFetchResult(request_id, None, 0, time.monotonic() - start,
-                                     error="KV transfer timed out")
-            frames = dealer.recv_multipart(copy=False)
+    @staticmethod
+    def _decode_reply(frames, decoder, pending: dict, addr: str) -> KVFetchResult | None:
+        try:
             reply = decoder.decode(frames[0].bytes)
-            if reply.request_id != request_id:
-                continue  # a late reply to an earlier, timed-out pull
-            if not reply.ok:
-                return KVFetchResult(request_id, None, 0, time.monotonic() - start,
-                                     error=f"KV transfer failed: {reply.message}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only frame buffer; we only read it
-                raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
-            kv = raw.view(_torch_dtype(reply.dtype)).reshape(reply.shape)
-            return KVFetchResult(request_id, kv, raw.numel(), time.monotonic() - start)
+        except Exception as exc:  # a bad frame must not stop the fetcher
+            logger.warning("kv transport: bad pull reply from %s: %s", addr, exc)
+            return None
+        pull = pending.get(reply.request_id)
+        if pull is None or pull.addr != addr:
+            return None  # a late reply to a pull that timed out or was cancelled
+        del pending[reply.request_id]
+        seconds = time.monotonic() - pull.start
+        if not reply.ok:
+            return KVFetchResult(reply.request_id, None, 0, seconds,
+                                 error=f"KV transfer failed: {reply.message}")
+        if len(frames) < 2:
+            return KVFetchResult(reply.request_id, None, 0, seconds,
+                                 error="KV transfer failed: reply without a payload")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only frame buffer; we only read it
+            raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
+        kv = raw.view(_torch_dtype(reply.dtype)).reshape(reply.shape)
+        return KVFetchResult(reply.request_id, kv, raw.numel(), seconds)
+
+    def _finish(self, result: KVFetchResult) -> None:
+        with self._lock:
+            self._results.append(result)
+            if result.error is None:
+                self._counts["bytes_received"] += result.num_bytes
+                self._counts["num_received"] += 1
+                self._counts["receive_seconds_total"] += result.seconds
+            else:
+                self._counts["num_failed"] += 1
+
+    @staticmethod
+    def _close_idle(dealers, by_socket, last_used, pending, poller, now: float) -> None:
+        """Sources come and go (restarted workers get new addresses): drop idle DEALERs."""
+        busy = {p.addr for p in pending.values()}
+        for addr in [a for a in dealers if a not in busy
+                     and now - last_used.get(a, now) > IDLE_SOURCE_CLOSE_S]:
+            dealer = dealers.pop(addr)
+            poller.unregister(dealer)
+            del by_socket[dealer]
+            last_used.pop(addr, None)
+            dealer.close(linger=0)
 
     # --- common ------------------------------------------------------------------------------
     def stats(self) -> KVTransportStats:
@@ -244,11 +338,11 @@ class ZmqKVTransport(KVTransport):
                                     **self._counts)
 
     def close(self) -> None:
-        with self._jobs_cond:
-            self._closed = True
-            self._jobs_cond.notify_all()
+        self._closed = True
+        self._wake()
         for thread in self._threads:
             thread.join(2.0)
+        self._wake_push.close(linger=0)
         self._ctx.term()
 
 
