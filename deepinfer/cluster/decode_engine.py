@@ -30,10 +30,9 @@ class DisaggDecodeEngine(LLMEngine):
         no room now (nothing is recorded; retry later). Raises ValueError for bad input."""
         if params.n != 1:
             raise ValueError("disaggregated serving supports n=1 only")
-        if request_id in self._states:
+        if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = self._validate_prompt(prompt_token_ids)
-        params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        prompt_token_ids, params = self.check_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, arrival_time,
                           self.eos_token_ids)
         request.append_output_token(first_token_id)
@@ -54,8 +53,7 @@ class DisaggDecodeEngine(LLMEngine):
             output.cumulative_logprob += first_logprob.logprob
         state.sequences[request_id] = SequenceState(0, detok, output)
         state.num_cached_tokens = num_cached_tokens  # the prefill worker's prefix hit
-        self._states[request_id] = state
-        self._child_parent[request_id] = request_id
+        self.adopt_request_state(state)
         return block_ids
 
     def admit_transferred(self, request_id: str) -> None:

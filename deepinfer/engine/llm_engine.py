@@ -157,6 +157,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    # ---- for engines that admit requests prepared elsewhere (disaggregated decode) ----------
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def check_request(self, prompt_token_ids: list[int],
+                      params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt and params `add_request` would queue (max_tokens resolved); ValueError
+        for bad input. Records nothing."""
+        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        return prompt_token_ids, self._resolve_max_tokens(params, len(prompt_token_ids))
+
+    def adopt_request_state(self, state: RequestState) -> None:
+        """Track (detokenize, stream, abort) a request whose sequences the caller has put in
+        the scheduler itself; each sequence id in `state.sequences` maps to it."""
+        self._states[state.request_id] = state
+        for child_id in state.sequences:
+            self._child_parent[child_id] = state.request_id
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
