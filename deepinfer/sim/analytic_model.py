@@ -34,6 +34,7 @@ class AnalyticModel:
     expert_params: int = 0  # one routed expert in one layer
     dispatch_bytes_per_value: float = 1.0  # fp8 dispatch
     combine_bytes_per_value: float = 2.0  # bf16 combine
+    max_nodes_per_token: int | None = None  # node-limited routing (DeepSeek-V3: 4)
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.hidden_size, self.num_heads, self.active_params,
@@ -104,7 +105,7 @@ def mla_moe_model(name: str, cfg: dict[str, Any], kv_dtype_bytes: int = 2) -> An
         # decode: weights absorbed, QK^T over the latent + rope, PV over the latent
         decode_attn_flops_per_pair=layers * 2 * heads * (kv_lora + rope + kv_lora),
         num_experts=experts, num_experts_per_tok=top_k, num_moe_layers=num_moe,
-        expert_params=expert)
+        expert_params=expert, max_nodes_per_token=cfg.get("topk_group"))
 
 
 DEEPSEEK_V3_CONFIG = {  # config.json of deepseek-ai/DeepSeek-V3 (MTP module left out)
@@ -112,7 +113,7 @@ DEEPSEEK_V3_CONFIG = {  # config.json of deepseek-ai/DeepSeek-V3 (MTP module lef
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "first_k_dense_replace": 3, "intermediate_size": 18432,
     "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "vocab_size": 129280,
+    "n_shared_experts": 1, "vocab_size": 129280, "n_group": 8, "topk_group": 4,
 }
 
 MODELS = {"deepseek-v3": lambda: mla_moe_model("deepseek-v3", DEEPSEEK_V3_CONFIG)}

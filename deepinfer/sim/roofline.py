@@ -41,6 +41,8 @@ class RooflineConfig:
     overlap_comm: bool = True  # two micro-batches hide all-to-all behind compute
     step_overhead_s: float = 1e-3  # launch, scheduling, sampling
     num_redundant_experts: int = 0  # EPLB replicas over the EP group (per layer)
+    node_dedup: bool = False  # a token crosses the NIC once per node (DeepEP normal kernels,
+    # prefill) instead of once per remote expert (low-latency kernels, decode)
 
     def __post_init__(self) -> None:
         if self.num_accelerators < 1 or (self.ep_size is not None and self.ep_size < 1):
@@ -111,9 +113,35 @@ class RooflineStepTime:
         m, a, c = self.model, self.accel, self.config
         if not m.is_moe or self.ep_size <= 1 or tokens_per_gpu <= 0:
             return 0.0
-        per_layer = tokens_per_gpu * m.ep_bytes_per_token_layer * (self.ep_size - 1) / self.ep_size
-        in_node = min(self.ep_size, a.gpus_per_node) / self.ep_size
+        per_value = m.dispatch_bytes_per_value + m.combine_bytes_per_value
+        k = m.num_experts_per_tok
+        num_nodes = max(1, -(-self.ep_size // a.gpus_per_node))
+        if c.node_dedup and num_nodes > 1:
+            # Distinct nodes a token's k experts sit on (capped by node-limited routing);
+            # the NIC carries one copy per remote node, NVLink fans it out to the experts.
+            nodes = num_nodes * (1.0 - (1.0 - 1.0 / num_nodes) ** k)
+            if m.max_nodes_per_token:
+                nodes = min(nodes, m.max_nodes_per_token)
+            remote_sends = nodes * (num_nodes - 1) / num_nodes
+            nvlink_sends = k
+        else:
+            remote_sends = k * max(0, self.ep_size - a.gpus_per_node) / self.ep_size
+            nvlink_sends = k * min(self.ep_size, a.gpus_per_node) / self.ep_size
+        unit = tokens_per_gpu * m.hidden_size * per_value
         # NVLink and the NIC carry their shares at the same time (DeepEP-style).
-        seconds = per_layer * max((1.0 - in_node) / (a.network_bytes_per_s * c.net_eff),
-                                  in_node / (a.nvlink_bytes_per_s * c.net_eff))
+        seconds = max(unit * remote_sends / (a.network_bytes_per_s * c.net_eff),
+                      unit * nvlink_sends / (a.nvlink_bytes_per_s * c.net_eff))
         return m.num_moe_layers * (seconds + 2 * c.a2a_latency_s)
+
+def kv_cache_blocks(model: AnalyticModel, accel: AcceleratorSpec, config: RooflineConfig,
+                    block_size: int, reserved_fraction: float = 0.15) -> int:
+    """KV blocks a worker's HBM holds after its weights (dense part on every GPU, its share of
+    the routed experts) and `reserved_fraction` of HBM for activations and buffers."""
+    ep = config.ep_size or config.num_accelerators
+    experts_per_gpu = (model.num_experts + config.num_redundant_experts) / ep if model.is_moe else 0
+    weights = model.dense_weight_bytes + experts_per_gpu * model.expert_bytes_per_layer * \
+        model.num_moe_layers
+    free = accel.hbm_bytes * (1.0 - reserved_fraction) - weights
+    if free <= 0:
+        raise ValueError(f"{model.name} does not fit {accel.name} with EP {ep}")
+    return int(free * config.num_accelerators // (model.kv_bytes_per_token * block_size))

@@ -1,0 +1,207 @@
+"""Simulator vs the real engine on this machine: same workloads, a cost profile measured here.
+
+For each case the real `deepinfer serve` (one thread per engine process) is loaded with the
+`bench serve` client, then the simulator runs the same workload on the same cluster shape with
+step times from a quick profile measured at the start of this script (same threads). Prints
+and writes the relative errors of TTFT p50, TPOT p50 and output throughput:
+
+  w1        random 256 in / 128 out, all at once, one colocated engine
+  mooncake  the Mooncake conversation trace shrunk in length and time, one colocated engine
+  mooncake-pd  the same replay on P=2 prefill + D=2 decode workers (fs shared store)
+
+    .venv/bin/python benchmarks/sim_validation.py --out benchmarks/results/sim_validation.json
+
+Link and store speeds given to the simulator are stated assumptions (not fitted): KV
+transfer 1 GB/s + 2 ms, shared store 1 GB/s + 1 ms; the host's cores are shared (contention).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deepinfer.bench.latency_stats import summarize  # noqa: E402
+from deepinfer.bench.serve_client import ClientConfig, run_benchmark  # noqa: E402
+from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
+from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
+from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+DEEPINFER = [str(Path(sys.executable).with_name("deepinfer"))]
+NUM_KV_BLOCKS = 2048
+METRICS = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("output_throughput", None))
+
+
+def measure_profile(path: str, grid: str) -> None:
+    subprocess.run(DEEPINFER + ["profile", "--grid", grid, "--threads", "1",
+                                "--kv-cache-memory", "512MiB", "--out", path], check=True)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_bench(extra_args: list[str], workload) -> dict:
+    """Start `deepinfer serve`, replay the workload with the bench client, stop the server."""
+    import httpx
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="sim-validation-serve-", suffix=".log")
+    proc = subprocess.Popen(DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
+                                         "--num-kv-blocks", str(NUM_KV_BLOCKS), *extra_args],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"serve exited: {log.read()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("serve not ready")
+            time.sleep(0.5)
+        config = ClientConfig(base_url=f"http://127.0.0.1:{port}", show_progress=False)
+        # Warm-up (not measured): the first steps of a fresh engine pay one-off costs
+        # (allocator growth, kernel selection) that the profile, measured warm, excludes.
+        warm = build_workload(WorkloadConfig(kind="random", num_prompts=4, input_len=256,
+                                             output_len=16, seed=12345))
+        asyncio.run(run_benchmark(config, warm.requests))
+        load_before = os.getloadavg()[0]
+        run = asyncio.run(run_benchmark(config, workload.requests))
+        summary = summarize(run.results, run.duration_s)
+        return {"summary": summary, "hit_rate": run.prefix_cache_hit_rate,
+                "load_before": load_before, "load_after": os.getloadavg()[0]}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def sim_cluster(profile: str, pools: dict) -> object:
+    return cluster_from_dict({
+        "cost": {"profile": profile},
+        "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
+        "pools": pools, "host": {"cores": os.cpu_count()},
+        "kv_transfer": {"bandwidth_gb_s": 1.0, "latency_ms": 2.0},
+        "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
+
+
+def metric(summary, key, sub):
+    value = getattr(summary, key)
+    return getattr(value, sub) if sub else value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default=None, help="use this profile instead of measuring")
+    parser.add_argument("--grid", default="quick", choices=("quick", "full"))
+    parser.add_argument("--w1-prompts", type=int, default=32)
+    parser.add_argument("--mooncake-prompts", type=int, default=40)
+    parser.add_argument("--cases", default="w1,mooncake,mooncake-pd")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
+    args = parser.parse_args()
+
+    profile = args.profile or str(Path(args.out).with_name("sim_validation_profile.json"))
+    profile_after = str(Path(args.out).with_name("sim_validation_profile_after.json"))
+    if args.profile is None:
+        print(f"measuring a {args.grid} profile (1 thread) ...", flush=True)
+        measure_profile(profile, args.grid)
+    w1 = WorkloadConfig(kind="random", num_prompts=args.w1_prompts, input_len=256,
+                        output_len=128, request_rate=float("inf"))
+    mooncake = WorkloadConfig(kind=f"trace:{TRACE}", num_prompts=args.mooncake_prompts,
+                              time_scale=0.1,
+                              shrink=ShrinkConfig(length_scale=0.05, max_input_len=768,
+                                                  max_output_len=48))
+    store_dir = tempfile.mkdtemp(prefix="sim-validation-store-")
+    cases = {
+        "w1": (w1, [], {"colocated": {"workers": 1}}),
+        "mooncake": (mooncake, [], {"colocated": {"workers": 1}}),
+        "mooncake-pd": (mooncake, ["--prefill-workers", "2", "--decode-workers", "2",
+                                   "--kv-store", f"fs://{store_dir}"],
+                        {"prefill": {"workers": 2}, "decode": {"workers": 2}}),
+    }
+    report = {"profile": profile, "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),
+              "cases": {}}
+    try:
+        for name in args.cases.split(","):
+            cfg, serve_args, pools = cases[name]
+            workload = build_workload(cfg)
+            print(f"[{name}] real engine: {workload.description}", flush=True)
+            real = serve_and_bench(serve_args, workload)
+            sim_run = simulate_workload(sim_cluster(profile, pools), workload)
+            sim = sim_run.summary()
+            rows = compare(real["summary"], sim)
+            report["cases"][name] = {
+                "workload": workload.description, "errors": rows,
+                "measured_summary": dataclasses.asdict(real["summary"]),
+                "simulated_summary": dataclasses.asdict(sim),
+                "measured_hit_rate": real["hit_rate"], "simulated_hit_rate":
+                    sim_run.prefix_cache_hit_rate, "load_average": [real["load_before"],
+                                                                    real["load_after"]],
+                "measured_summary_obj": real["summary"],
+                "measured_failed": real["summary"].num_failed,
+                "simulated_failed": sim.num_failed}
+            for metric_name, row in rows.items():
+                print(f"  {metric_name:<22} measured {row['measured']:10.2f}  simulated "
+                      f"{row['simulated']:10.2f}  error {100 * row['error']:+6.1f}%", flush=True)
+            write(args.out, report)
+        if args.profile is None:
+            # The box is shared: re-profile after the runs and simulate again, so the report
+            # shows how much of the error is the machine's speed drifting under us.
+            print("re-measuring the profile after the runs ...", flush=True)
+            measure_profile(profile_after, args.grid)
+            report["profile_after"] = profile_after
+            for name in report["cases"]:
+                cfg, _, pools = cases[name]
+                sim = simulate_workload(sim_cluster(profile_after, pools),
+                                        build_workload(cfg)).summary()
+                measured = report["cases"][name]["measured_summary_obj"]
+                rows = compare(measured, sim)
+                report["cases"][name]["errors_with_profile_after"] = rows
+                print(f"[{name}] with the after-run profile: " + ", ".join(
+                    f"{k} {100 * r['error']:+.1f}%" for k, r in rows.items()), flush=True)
+            write(args.out, report)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    print(f"wrote {args.out}")
+
+
+def compare(measured, simulated) -> dict:
+    rows = {}
+    for key, sub in METRICS:
+        m, s = metric(measured, key, sub), metric(simulated, key, sub)
+        rows[f"{key}{'_' + sub if sub else ''}"] = {
+            "measured": m, "simulated": s, "error": s / m - 1.0 if m else None}
+    return rows
+
+
+def write(path: str, report: dict) -> None:
+    clean = {k: v for k, v in report.items() if k != "cases"}
+    clean["cases"] = {name: {k: v for k, v in case.items() if not k.endswith("_obj")}
+                      for name, case in report["cases"].items()}
+    with open(path, "w") as f:
+        json.dump(clean, f, indent=1, default=lambda x: None)
+
+
+if __name__ == "__main__":
+    main()
