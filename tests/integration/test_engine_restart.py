@@ -56,6 +56,13 @@ def test_restart_backoff_doubles_up_to_its_cap():
         EngineRestartPolicy(max_restarts=-1)
 
 
+def test_negative_max_engine_restarts_is_a_cli_error(capsys):
+    from deepinfer.cli.main import main
+
+    assert main(["serve", "--max-engine-restarts", "-1"]) == 2
+    assert "--max-engine-restarts must be >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_engine_is_restarted_and_serves_again(small_server, engine_base_llm):
