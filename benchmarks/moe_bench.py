@@ -29,6 +29,18 @@ from deepinfer.moe.layer import MoEExperts, naive_expert_loop  # noqa: E402
 from deepinfer.moe.routing import select_experts  # noqa: E402
 
 
+def per_token_loop(experts: MoEExperts, x, weights, ids):
+    """The shape the grouped layer avoids: a Python loop over tokens and their k experts."""
+    import torch.nn.functional as F
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t:t + 1], experts.gate_up_proj[e]).split(experts.intermediate_size, dim=-1)
+            out[t] += (F.linear(F.silu(gate) * up, experts.down_proj[e])[0] * weights[t, j]).to(x.dtype)
+    return out
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -55,11 +67,16 @@ def bench_layer(args) -> list[dict]:
         grouped = _median_ms(lambda: experts(x, weights, ids), args.repeats)
         naive = _median_ms(lambda: naive_expert_loop(experts, x, weights, ids), args.repeats)
         diff = (experts(x, weights, ids).float() - naive_expert_loop(experts, x, weights, ids).float()).abs().max()
+        per_token = (_median_ms(lambda: per_token_loop(experts, x, weights, ids), max(1, args.repeats // 2))
+                     if num_tokens <= 64 else None)
         rows.append({"num_tokens": num_tokens, "grouped_ms": grouped, "naive_loop_ms": naive,
+                     "per_token_loop_ms": per_token,
                      "speedup": naive / grouped, "max_abs_diff": float(diff),
                      "active_experts": int(ids.unique().numel())})
+        shown = f"{per_token:9.3f}" if per_token is not None else "        -"
         print(f"layer  T={num_tokens:5d}  active experts {rows[-1]['active_experts']:3d}  "
-              f"grouped {grouped:8.3f} ms  naive loop {naive:8.3f} ms  x{naive / grouped:5.2f}")
+              f"grouped {grouped:8.3f} ms  naive expert loop {naive:8.3f} ms (x{naive / grouped:4.2f})  "
+              f"per-token loop {shown} ms")
     return rows
 
 
@@ -100,16 +117,19 @@ def bench_engine(args) -> dict:
         prompts = make_prompts(args.num_prompts, args.input_len, 4096, seed=0)
         ours = run_engine(config, prompts, args.output_len)
         hf = run_hf(config, prompts, args.output_len, None)
-    same = sum(a == b for a, b in zip(ours.pop("_token_ids"), hf.pop("_token_ids")))
+    ours_ids, hf_ids = ours.pop("_token_ids"), hf.pop("_token_ids")
+    same = sum(a == b for a, b in zip(ours_ids, hf_ids))
+    first_same = sum(a[:1] == b[:1] for a, b in zip(ours_ids, hf_ids))
     for r in (ours, hf):
         print(f"engine {r['name']:>10}: {r['elapsed_s']:7.2f} s  output {r['output_tokens_per_s']:8.1f} tok/s"
               f"  total {r['total_tokens_per_s']:8.1f} tok/s")
     speedup = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
     print(f"engine speed-up vs transformers: {speedup:.2f}x  identical greedy outputs (bf16): "
-          f"{same}/{len(prompts)}")
+          f"{same}/{len(prompts)}, same first token: {first_same}/{len(prompts)}")
     return {"model": args.model_kind, "num_prompts": args.num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "dtype": "bfloat16", "results": [ours, hf],
-            "speedup_vs_hf": speedup, "identical_outputs_vs_hf": same}
+            "speedup_vs_hf": speedup, "identical_outputs_vs_hf": same,
+            "same_first_token_vs_hf": first_same}
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """Architecture hyper-parameters of a decoder-only model: dense Llama family, MoE (Mixtral,
-Qwen3-MoE) and DeepSeek-V3 (MoE + multi-head latent attention).
+Qwen3-MoE) and DeepSeek-V2/V3 (MoE + multi-head latent attention).
 
 Pure (stdlib only) so the cost model and simulator can read parameter counts and KV sizes
 without torch. Built from a Hugging Face `config.json` dict or from GGUF metadata
@@ -12,7 +12,8 @@ from typing import Any
 
 from deepinfer.models.moe_config import MLAConfig, MoEConfig, mla_config_from_hf, moe_config_from_hf
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2",
+                           "deepseek_v3")
 
 # HF `architectures` entries -> our architecture name.
 HF_ARCHITECTURES = {
@@ -22,6 +23,7 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
@@ -96,13 +98,18 @@ class ModelConfig:
                 rope_scaling = None
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
+        quant = cfg.get("quantization_config")
+        if quant:  # e.g. DeepSeek-V3's fp8 block-scaled release: dequantize to bf16 first
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(f"quantized checkpoints are not supported (quant_method={method!r}); "
+                             "use a bf16/fp32 checkpoint")
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         eos_ids = tuple(dict.fromkeys(int(e) for e in eos_list))
         use_sw = cfg.get("use_sliding_window", arch in ("mistral", "mixtral"))
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         mla = None
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v2", "deepseek_v3"):
             mla = mla_config_from_hf(cfg, rope_scaling)
             # MLA has no K/V heads of its own: expanded keys have one per query head.
             head_dim, num_kv_heads = mla.qk_head_dim, num_heads

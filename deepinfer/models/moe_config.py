@@ -121,6 +121,8 @@ def moe_config_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             dense_layers=dense)
+    if arch == "deepseek_v2":
+        return _deepseek_v2_moe(cfg)
     if arch == "deepseek_v3":
         _require_silu(cfg)
         scoring = cfg.get("scoring_func", "sigmoid")
@@ -148,6 +150,36 @@ def moe_config_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             dense_layers=frozenset(range(min(first_dense, num_layers))),
             router_fp32=True)
     return None
+
+
+def _deepseek_v2_moe(cfg: dict[str, Any]) -> MoEConfig:
+    """DeepSeek-V2: softmax scores, greedy or group-limited greedy (a group scored by its best
+    expert), no selection bias; renormalised only when norm_topk_prob (false in V2 releases)."""
+    _require_silu(cfg)
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"unsupported scoring_func {scoring!r} for DeepSeek-V2 (supported: softmax)")
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {method!r} for DeepSeek-V2 "
+                         "(supported: greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    num_layers = int(cfg["num_hidden_layers"])
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    if freq != 1:
+        raise ValueError(f"unsupported moe_layer_freq {freq} (supported: 1)")
+    return MoEConfig(
+        num_experts=int(cfg["n_routed_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        dense_layers=frozenset(range(min(first_dense, num_layers))),
+        router_fp32=True)
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

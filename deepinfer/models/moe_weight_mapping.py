@@ -44,7 +44,7 @@ def is_extra_layer(name: str, config: ModelConfig) -> bool:
     """DeepSeek-V3 checkpoints append multi-token-prediction layers after the last decoder
     layer (model.layers.61.* for 61 layers); the causal LM does not use them."""
     match = _LAYER.match(name)
-    return (config.architecture == "deepseek_v3" and match is not None
+    return (config.architecture in ("deepseek_v2", "deepseek_v3") and match is not None
             and int(match.group(1)) >= config.num_hidden_layers)
 
 

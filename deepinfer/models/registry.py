@@ -49,7 +49,7 @@ def architecture_from_gguf(name: str) -> str:
 def get_model_class(architecture: str) -> type[nn.Module]:
     """Class for our architecture name, an HF `architectures` entry or a GGUF architecture."""
     arch = HF_ARCHITECTURES.get(architecture, architecture)
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v2", "deepseek_v3"):  # same modules; V2 differs in routing config only
         return _deepseek_v3_class()
     if arch not in _MODEL_CLASSES:
         raise _unsupported("model", architecture, {**_MODEL_CLASSES, **HF_ARCHITECTURES})

@@ -53,10 +53,19 @@ def tiny_moe_config(kind: str):
             q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=16, rope_interleave=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    if kind == "deepseek_v2":  # softmax group-limited greedy, V2-Lite style (no q_lora)
+        from transformers import DeepseekV2Config
+        return DeepseekV2Config(
+            **_ATTN, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
+            n_shared_experts=2, num_experts_per_tok=3, topk_method="group_limited_greedy",
+            n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.0,
+            q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     raise ValueError(kind)
 
 
-MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora"]
+MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora",
+             "deepseek_v2"]
 
 
 def tiny_moe_model(kind: str, seed: int = 0, **overrides):

@@ -17,7 +17,7 @@ from tests.integration.moe_checkpoints import random_prompts, tiny_moe_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-KINDS = ["mixtral", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora"]
+KINDS = ["mixtral", "qwen3_moe_sparse_step", "deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v2"]
 MAX_TOKENS = 12
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)

@@ -74,6 +74,23 @@ def test_qwen3_moe_sparse_layers_follow_step_and_mlp_only_layers():
         moe_config_from_hf("deepseek_v3", {"num_hidden_layers": 2, "n_routed_experts": 4,
                                            "num_experts_per_tok": 2, "moe_intermediate_size": 8,
                                            "topk_method": "group_limited_greedy"})
+    v2 = {"num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 3,
+          "moe_intermediate_size": 8, "n_group": 2, "topk_group": 1}
+    assert moe_config_from_hf("deepseek_v2", v2).n_group == 1  # greedy: groups ignored
+    grouped = moe_config_from_hf("deepseek_v2", {**v2, "topk_method": "group_limited_greedy"})
+    assert grouped.n_group == 2 and grouped.scoring_func == "softmax" and not grouped.use_correction_bias
+    with pytest.raises(ValueError, match="topk_method"):
+        moe_config_from_hf("deepseek_v2", {**v2, "topk_method": "noaux_tc"})
+
+
+def test_softmax_group_limited_greedy_scores_groups_by_best_expert():
+    # Groups {0..3}, {4..7}. Group 1 has the single best expert; group 0 the better pair.
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0, 2.2, -3.0, -2.5, -2.0]])
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=8, n_group=2,
+                    topk_group=1, norm_topk_prob=False)
+    weights, ids = select_experts(logits, cfg)
+    assert sorted(ids[0].tolist()) == [4, 6, 7]  # best group by max; its best 3 experts
+    assert torch.allclose(weights[0], torch.softmax(logits, -1)[0, ids[0]])
 
 
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 1), (5, 2), (64, 3)])
