@@ -11,9 +11,9 @@ assumed equally loaded (all-to-all traffic is sized for the whole group). Runs:
 
   prefill   400 prompts of 4,400 tokens at once, 56% of each a shared prefix (8 groups),
             1 output token: input tok/s per prefill node over the busy span
-  decode    prompts of 4,400 tokens + 1,200 output tokens (mean KV length ~5k), decode
-            batch (max_num_seqs per node) swept; output tok/s per decode node in the steady
-            middle of the run, and TPOT
+  decode    B prompts of 4,400 tokens + 1,200 output tokens at once on one decode node
+            (mean KV length ~5k), B swept; output tok/s per decode node in the steady middle
+            of the run (30%-70% of its tokens), and TPOT
   plan      the Mooncake conversation trace (real lengths, prompts capped at 32k, time x0.1)
             on 1-node workers: P:D candidates, cost per million tokens, economics
 
@@ -86,10 +86,13 @@ def prefill_throughput() -> dict:
             "wall_s": run.wall_s}
 
 
-def decode_throughput(seqs_per_node: int, num_requests: int) -> dict:
-    cfg = WorkloadConfig(kind="random", num_prompts=num_requests, input_len=4400,
+def decode_throughput(seqs_per_node: int) -> dict:
+    # The decode batch is set by the requests in flight: a decode worker admits every
+    # transferred prompt its KV cache can hold (the engine's `allocate_for_transfer` does
+    # not apply max_num_seqs), so B requests at once on one decode node give a batch of ~B
+    # for most of the run. Enough prefill nodes that the decode node is the bottleneck.
+    cfg = WorkloadConfig(kind="random", num_prompts=seqs_per_node, input_len=4400,
                          output_len=1200, request_rate=float("inf"))
-    # Enough prefill nodes that the decode node is the bottleneck.
     run = simulate_workload(cluster(8, 1, decode_seqs=seqs_per_node), build_workload(cfg))
     times = np.sort(np.concatenate([np.asarray(r.token_times_s[1:]) for r in run.records]))
     lo, hi = np.quantile(times, [0.3, 0.7])  # the steady middle of the run
@@ -133,7 +136,6 @@ def planner_projection(num_prompts: int, max_prefill: int, max_decode: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-batches", default="512,768,1024")
-    parser.add_argument("--decode-requests", type=int, default=1024)
     parser.add_argument("--plan-prompts", type=int, default=600)
     parser.add_argument("--max-prefill", type=int, default=12)
     parser.add_argument("--max-decode", type=int, default=4)
@@ -155,7 +157,7 @@ def main() -> None:
           f"{report['prefill']['ratio_to_published']:.2f}x published", flush=True)
     report["decode"] = []
     for seqs in (int(x) for x in args.decode_batches.split(",")):
-        row = decode_throughput(seqs, max(args.decode_requests, seqs))
+        row = decode_throughput(seqs)
         report["decode"].append(row)
         print(f"decode batch {seqs}/node: {row['output_tok_s_per_node']:,.0f} output tok/s per "
               f"node, TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
