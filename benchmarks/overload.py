@@ -10,7 +10,8 @@ Against one real `deepinfer serve` (started here, with `--max-waiting-requests`)
 3. sustainable the highest open-loop Poisson rate (from 0.9 X, stepping down) whose admitted
               requests meet the SLO with <= 1 % rejected.
 4. overload   2 x sustainable: must shed (429s) while admitted requests still meet the SLO.
-5. recovery   right after, 0.5 x sustainable: how long until no more 429s, and the SLO again.
+5. recovery   right after, 0.5 x sustainable: how long until no more 429s and no SLO misses,
+              and the SLO again for arrivals `--settle-s` after the drop.
 
 Numbers are indicative on a shared machine. Prints a table, writes JSON:
 
@@ -24,7 +25,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -192,6 +193,15 @@ async def run(args, url: str) -> dict:
     last_429 = [r.arrival_s for r in recovery if r.status == 429]
     out["recovery"]["last_429_after_drop_s"] = round(max(last_429) - drop_time, 2) \
         if last_429 else 0.0
+    late = [r.arrival_s for r in recovery if r.status != 200 or r.ttft_s is None
+            or r.ttft_s > slo["ttft_p99_s"] or (r.tpot_s or 0.0) > slo["tpot_p99_s"]]
+    out["recovery"]["last_slo_violation_after_drop_s"] = round(max(late) - drop_time, 2) \
+        if late else 0.0
+    # Recovered: what arrives once the overload's backlog has had `settle_s` to drain.
+    steady = [r for r in recovery if r.arrival_s >= drop_time + args.settle_s]
+    out["recovery"]["steady"] = {"after_drop_s": args.settle_s,
+                                 **summarize(steady, T - args.settle_s, slo)}
+    out["requests"] = [asdict(r) for r in cap + over + recovery]
     await load.http.aclose()
     return out
 
@@ -199,15 +209,19 @@ async def run(args, url: str) -> dict:
 def print_table(out: dict) -> None:
     print(f"\n{'phase':<12}{'rate':>8}{'sent':>6}{'ok':>5}{'429':>5}{'err':>5}"
           f"{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p99':>10}  SLO")
+    steady = out["recovery"]["steady"]
     rows = [("sustainable", out["sustainable"]["search"][-1]), ("overload", out["overload"]),
-            ("recovery", out["recovery"])]
+            ("recovery", out["recovery"]),
+            (f"  >{steady['after_drop_s']:.0f}s", {**steady,
+                                                   "rate_rps": out["recovery"]["rate_rps"]})]
     for name, s in rows:
         ms = (lambda v: "-" if v is None else f"{v * 1000:.0f}ms")
         print(f"{name:<12}{s['rate_rps']:>8.2f}{s['sent']:>6}{s['completed']:>5}"
               f"{s['rejected_429']:>5}{s['other_errors']:>5}{ms(s['ttft_s']['p50']):>10}"
               f"{ms(s['ttft_s']['p99']):>10}{ms(s['tpot_s']['p99']):>10}  "
               f"{'met' if s.get('slo_met') else 'MISSED'}")
-    print(f"recovery: last 429 {out['recovery']['last_429_after_drop_s']} s after the load "
+    print(f"recovery: last 429 {out['recovery']['last_429_after_drop_s']} s and last SLO "
+          f"violation {out['recovery']['last_slo_violation_after_drop_s']} s after the load "
           "dropped")
 
 
@@ -222,6 +236,8 @@ def main() -> int:
     p.add_argument("--phase-s", type=float, default=40.0, help="seconds per open-loop phase")
     p.add_argument("--capacity-requests", type=int, default=16)
     p.add_argument("--max-search-steps", type=int, default=3)
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="recovery is judged on arrivals this long after the load drops")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT p99 SLO in s")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT p99 SLO in s")
     p.add_argument("--seed", type=int, default=0)
@@ -242,7 +258,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     shed = out["overload"]["rejected_429"] > 0
-    return 0 if shed and out["overload"]["slo_met"] and out["recovery"]["slo_met"] else 1
+    return 0 if shed and out["overload"]["slo_met"] and out["recovery"]["steady"]["slo_met"] \
+        else 1
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     """The app for an already started engine client."""
     served_names = [client.model_name]  # EngineConfig.served_model_name, else the model's
     metrics = ServerMetrics(served_names[0], lambda: client.stats)
-    if hasattr(client, "register_metrics"):  # per-worker metrics of a disaggregated cluster
+    if hasattr(client, "register_metrics"):  # engine restarts; per-worker cluster metrics
         client.register_metrics(metrics.registry)
     gate = AdmissionGate(config.max_waiting_requests, lambda: client.num_waiting_requests)
     completion = OpenAIServingCompletion(client, metrics, served_names, gate)
