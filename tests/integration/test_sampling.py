@@ -95,7 +95,23 @@ def test_stop_token_ids(engine_base_llm, continuation):
     assert out.stop_reason == tokens[k]
     # As in vLLM: the stop token ends token_ids, its text is not in the output text.
     assert list(out.token_ids) == tokens[:k + 1]
-    assert continuation.text.startswith(out.text) and len(out.text) < len(continuation.text)
+    tok = engine_base_llm.get_tokenizer()
+    assert out.text == tok.decode(tokens[:k], skip_special_tokens=True)
+    params = greedy(32, ignore_eos=True, stop_token_ids=[tokens[k]],
+                    include_stop_str_in_output=True)
+    out = generate_checked(engine_base_llm, [CONTINUATION_PROMPT], params)[0].outputs[0]
+    assert out.text == tok.decode(tokens[:k + 1], skip_special_tokens=True)
+
+
+def test_stop_string_waits_for_min_tokens(engine_base_llm, continuation):
+    """vLLM's rule: a stop string ends nothing before min_tokens tokens."""
+    text = continuation.text
+    stop = " " + text.split()[4]
+    assert text.count(stop) == 1, f"precondition: {stop!r} must occur once in {text!r}"
+    params = greedy(32, ignore_eos=True, stop=[stop], min_tokens=32)
+    out = generate_checked(engine_base_llm, [CONTINUATION_PROMPT], params)[0].outputs[0]
+    assert out.finish_reason == "length" and out.stop_reason is None
+    assert list(out.token_ids) == list(continuation.token_ids) and out.text == text
 
 
 def test_max_tokens_gives_length(engine_base_llm, continuation):
@@ -195,3 +211,85 @@ def test_bf16_engine_is_close_to_fp32_reference(hf_reference):
     print(f"bf16 vs fp32 reference: agreeing prefix lengths {agreeing}")
     assert sum(a >= 1 for a in agreeing) >= 3, f"bf16 agreeing prefix lengths {agreeing}"
     assert sum(min(a, 4) for a in agreeing) >= 0.75 * 4 * len(agreeing), agreeing
+
+
+def test_text_ending_inside_a_character_is_flushed(engine_base_llm):
+    """A completion that ends inside a multi-byte character (here an emoji cut by max_tokens)
+    keeps its last bytes: the text is the decode of every output token (it was empty)."""
+    tok = engine_base_llm.get_tokenizer()
+    chat = [{"role": "user", "content": "Reply with a single emoji."}]
+    cut = 0
+    for max_tokens in (1, 2, 3):
+        out = chat_checked(engine_base_llm, chat, greedy(max_tokens))[0].outputs[0]
+        want = tok.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text == want, f"max_tokens={max_tokens}: {out.text!r} != {want!r}"
+        cut += want.endswith("\ufffd")
+    assert cut >= 1, "precondition: no completion ended inside a character"
+
+
+# ---- seeded sampling: the draw at output position i is a function of (seed, i) --------------
+def sampled(seed: int, n: int = 1, max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+def completions(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in out.outputs] for out in outputs]
+
+
+def test_seeded_sampling_is_equal_alone_batched_and_preempted(engine_base_llm, make_engine_llm):
+    encode = engine_base_llm.get_tokenizer().encode
+    prompts = token_prompts(distinct_prompts(lambda t: encode(t, add_special_tokens=False))[:6])
+    params = [sampled(1000 + 10 * i, n=2 if i == 0 else 1) for i in range(6)]
+    alone = completions(generate_checked(engine_base_llm, prompts[:1], params[:1]))
+    batched = completions(generate_checked(engine_base_llm, prompts, params))
+    # 12 blocks of 16 tokens admit five of the seven sequences, whose growth (14 blocks) then
+    # preempts decodes; they are recomputed and resume at the output position they had reached.
+    tiny = make_engine_llm(num_kv_blocks=12, enable_prefix_caching=False)
+    preempted = completions(generate_checked(tiny, prompts, params))
+    assert tiny.engine.get_stats().num_preemptions > 0, "the tiny KV cache never preempted"
+    assert alone[0] == batched[0]
+    assert preempted == batched
+    assert batched[0][0] != batched[0][1], "n=2 children drew one sequence"
+
+
+def test_seeded_sampling_continues_across_the_prefill_decode_handoff(engine_base_llm,
+                                                                     make_engine_llm):
+    """In process, as the disaggregated workers do it: a prefill engine samples the first
+    token and hands its prompt KV to a `DisaggDecodeEngine` (with another engine seed), which
+    continues at output position 1 and must produce the colocated tokens."""
+    import time
+
+    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
+    from deepinfer.engine.engine_config import EngineConfig
+
+    base = engine_base_llm.engine
+    prompt = base.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
+    params = sampled(77, max_tokens=16)
+    colocated = generate_checked(engine_base_llm, token_prompts([prompt]), params)[0].outputs[0]
+
+    prefill = make_engine_llm(seed=5).engine
+    prefill.add_request("h", prompt, params)
+    first = []
+    while not first:
+        for out in prefill.step():
+            first = list(out.outputs[0].token_ids)
+    assert len(first) == 1
+    kv = prefill.cache.read_blocks(prefill.scheduler.kv.block_ids("h"))
+    prefill.abort_request(["h"])
+
+    decode = DisaggDecodeEngine(
+        EngineConfig(model=None, dtype="float32", kv_cache_memory="64MiB", seed=123),
+        source=base.source, model=base.model, tokenizer=base.tokenizer)
+    block_ids = decode.add_transferred_request("h", prompt, params, time.monotonic(), first[0],
+                                               None)
+    decode.cache.write_blocks(block_ids, kv)
+    decode.admit_transferred("h")
+    final = None
+    for _ in range(100):
+        for out in decode.step():
+            final = out if out.finished else final
+        if final is not None:
+            break
+    assert final is not None, "the decode engine did not finish the request"
+    assert list(final.outputs[0].token_ids) == list(colocated.token_ids)
+    assert final.outputs[0].text == colocated.text
