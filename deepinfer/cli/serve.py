@@ -96,7 +96,10 @@ def _run(args) -> int:
         on_ready = _announce
     try:
         from deepinfer.cluster.cluster_args import cluster_client_from_args
-        client = cluster_client_from_args(args, engine_config)
+        try:
+            client = cluster_client_from_args(args, engine_config)
+        except ValueError as e:  # bad cluster flags: the CLI's one-line exit 2
+            raise CLIError(str(e)) from None
         asyncio.run(run_server(engine_config, config, on_ready=on_ready, client=client))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None

@@ -1,4 +1,6 @@
-"""`deepinfer serve` flags of disaggregated serving, and the client they select."""
+"""`deepinfer serve` flags of disaggregated serving, and the client they select.
+
+Bad flags raise ValueError with a one-line message; the CLI turns it into its exit-2 error."""
 from __future__ import annotations
 
 import argparse
@@ -27,35 +29,40 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a KV transfer (incl. decode allocation) may take")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds of silence after which a worker is removed from routing")
+    g.add_argument("--loop-stall-timeout", type=float, default=30.0,
+                   help="seconds a worker's engine loop may go without advancing (a hung step) "
+                        "before it is taken out of routing; above the longest step")
+    g.add_argument("--kv-staging-memory", default="2GiB", metavar="SIZE",
+                   help="host memory each prefill worker may hold for KV not yet pulled by a "
+                        "decode worker; beyond it prompts wait and the router looks elsewhere")
 
 
 def cluster_client_from_args(args: argparse.Namespace, engine_config):
     """A `DisaggClient` when worker counts are given, else None (colocated serving)."""
-    from deepinfer.cli.main import CLIError
-
     if args.prefill_workers is None and args.decode_workers is None:
         return None
     if args.prefill_workers is None or args.decode_workers is None:
-        raise CLIError("--prefill-workers and --decode-workers go together")
+        raise ValueError("--prefill-workers and --decode-workers go together")
     from deepinfer.cluster.cluster_config import ClusterConfig
     from deepinfer.cluster.disagg_client import DisaggClient
 
     if args.kv_store == "memory":
-        raise CLIError("--kv-store memory is per process; workers need fs or redis (or none)")
-    try:
-        store_url = _store_url_with_capacity(args)
-        if store_url not in (None, "none"):
-            from deepinfer.kvstore import open_store
-            open_store(store_url, b"\0" * 16).close()  # validate the URL now
-        cluster = ClusterConfig(
-            num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
-            kv_store_url=store_url, prefill_router=args.prefill_router,
-            decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            # serve's --max-engine-restarts also bounds restarts of each lost worker
-            max_worker_restarts=getattr(args, "max_engine_restarts", 5))
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+        raise ValueError("--kv-store memory is per process; workers need fs or redis (or none)")
+    from deepinfer.runtime.kv_cache import parse_memory
+
+    store_url = _store_url_with_capacity(args)
+    if store_url not in (None, "none"):
+        from deepinfer.kvstore import open_store
+        open_store(store_url, b"\0" * 16).close()  # validate the URL now
+    cluster = ClusterConfig(
+        num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
+        kv_store_url=store_url, prefill_router=args.prefill_router,
+        decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        loop_stall_timeout_s=getattr(args, "loop_stall_timeout", 30.0),
+        max_staged_bytes=parse_memory(getattr(args, "kv_staging_memory", "2GiB")),
+        # serve's --max-engine-restarts also bounds restarts of each lost worker
+        max_worker_restarts=getattr(args, "max_engine_restarts", 5))
     return DisaggClient(engine_config, cluster)
 
 

@@ -14,8 +14,14 @@ class ClusterConfig:
     `kv_store_url`: shared prefix store (`kvstore.open_store` URL; "none" disables it).
     `heartbeat_timeout_s`: a worker silent this long is removed from routing (it reports
     every `report_interval_s`). `stall_timeout_s`: a request with no progress this long is
-    failed (last resort: nothing waits forever). `debug_transfer_delay_s`: fault injection,
-    delays every KV pull (tests). `max_worker_restarts`: a lost worker is restarted after a
+    failed (last resort: nothing waits forever) and aborted on every worker holding state for
+    it. `loop_stall_timeout_s`: a worker whose engine loop has not advanced this long (its
+    heartbeats say so) is suspended from routing like a silent one, until its loop advances
+    again; it must exceed the longest legitimate step. `hung_restart_after_s`: a worker
+    suspended this long is declared lost (killed; restarted per the restart policy).
+    `max_staged_bytes`: host memory each prefill worker may hold for decode pulls (prompts
+    wait, and the prefill router looks elsewhere, beyond it). `debug_transfer_delay_s`: fault
+    injection, delays every KV pull (tests). `max_worker_restarts`: a lost worker is restarted after a
     back-off doubling from `restart_backoff_s` up to `restart_backoff_max_s`, at most this
     many times in a row (0: never); `restart_stable_after_s` of service resets the count."""
 
@@ -33,6 +39,9 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     log_level: str = "WARNING"
     debug_transfer_delay_s: float = 0.0
+    loop_stall_timeout_s: float = 30.0
+    hung_restart_after_s: float = 60.0
+    max_staged_bytes: int = 2 * 1024**3
     max_worker_restarts: int = 5
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
@@ -49,7 +58,8 @@ class ClusterConfig:
                              f"choose one of {sorted(DECODE_POLICIES)}")
         if self.heartbeat_timeout_s <= self.report_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed report_interval_s")
-        for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s"):
+        for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s",
+                     "loop_stall_timeout_s", "hung_restart_after_s", "max_staged_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.restart_policy  # validates the restart fields

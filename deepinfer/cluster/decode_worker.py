@@ -109,8 +109,15 @@ class DecodeWorkerLoop(WorkerLoop):
                 self.counters.num_transfer_failures += 1
                 self._fail(result.request_id, result.error)
                 continue
-            self.engine.cache.write_blocks(entry.block_ids, result.kv)
+            try:
+                write_received_kv(self.engine.cache, entry.block_ids, result.kv)
+            except (RuntimeError, ValueError) as exc:  # e.g. a payload of another layout
+                self.counters.num_transfer_failures += 1
+                self._fail(result.request_id, f"received KV does not fit this worker's cache: "
+                                              f"{exc}")
+                continue
             self.engine.admit_transferred(result.request_id)
+            self._kv_received.append(result.request_id)
             m = entry.message
             self.tracker.add_request(m.request_id, m.sampling_params)
             # The first token was streamed by the prefill worker: continue after it.
@@ -128,6 +135,13 @@ class DecodeWorkerLoop(WorkerLoop):
             self.engine.abort_request([request_id])
         self.emit_error(request_id, message)
 
-    def extra_load(self) -> tuple[int, int]:
+    def extra_load(self) -> tuple[int, int, int]:
         kv_tokens = sum(len(e.message.prompt_token_ids) for e in self._incoming.values())
-        return len(self._incoming), kv_tokens
+        return len(self._incoming), kv_tokens, 0
+
+
+def write_received_kv(cache, block_ids: list[int], kv) -> None:
+    """Write a pulled payload (host memory, the sender's dtype) into `block_ids` of `cache`,
+    which may live on an accelerator and in another dtype: one copy to its device and dtype."""
+    target = cache.kv
+    cache.write_blocks(block_ids, kv.to(device=target.device, dtype=target.dtype))

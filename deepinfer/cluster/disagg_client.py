@@ -6,10 +6,18 @@
                decode router ◀────────────────────────┘
                     └─DecodeRequest─▶ decode worker ─pulls KV─▶ ... ─tokens─▶ client
 
-Health: every worker report is a heartbeat. A worker silent for `heartbeat_timeout_s`, whose
-process exited, or that sent `WorkerFailed`, is removed from routing; its requests are
-retried once on another prefill worker when nothing was streamed yet, else failed with a
-clear error. A request that makes no progress for `stall_timeout_s` is failed too.
+Health: every worker report is a heartbeat, and the heartbeat thread's `loop_age_s` says when
+the engine loop last advanced. A worker whose process exited or that sent `WorkerFailed` is
+lost (killed if need be; the supervisor restarts it). A worker silent for
+`heartbeat_timeout_s`, or whose loop has not advanced for `loop_stall_timeout_s` (hung step,
+SIGSTOP), is suspended: out of routing until its loop advances again, and lost if that takes
+more than `hung_restart_after_s`. Either way its requests are retried once on another
+prefill worker when nothing was streamed yet, else failed with a clear error.
+
+Giving up on a request (worker loss, worker error, no progress for `stall_timeout_s`, client
+gone) sends an abort to every worker that may hold state for it: the prefill worker (its KV
+may be staged, waiting for a pull) and the decode worker (blocks allocated, pull in flight).
+A prompt that no decode worker's whole KV cache can hold is refused before prefill (400).
 """
 from __future__ import annotations
 
@@ -27,8 +35,8 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.messages import (AbortRequests, DecodeRequest, PrefillDone,
-                                        PrefillRequest, ShutdownWorker, WorkerFailed,
+from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequest,
+                                        PrefillDone, PrefillRequest, ShutdownWorker, WorkerFailed,
                                         WorkerHeartbeat,
                                         WorkerLoadReport,
                                         WorkerCounters, WorkerReady, WorkerReport,
@@ -39,10 +47,10 @@ from deepinfer.cluster.worker_proc import run_worker_proc
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
-from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_router,
-                               build_prefill_router)
+from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
+                               build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError, _RequestFailed
+from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,13 @@ SEND_TIMEOUT_MS = 2000  # a worker's input socket that blocks this long is treat
 
 HEALTH_CHECK_PERIOD_S = 0.1
 MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Queued to a request's consumer: raise `error`."""
+
+    error: Exception
 
 
 @dataclass
@@ -67,6 +82,9 @@ class _Track:
     num_tokens_streamed: int = 0
     num_retries: int = 0
     last_progress: float = 0.0
+    kv_pending: bool = False  # staged on the prefill worker, not yet received by decode
+    failed: bool = False  # the consumer was handed an error
+    aborted: bool = False  # aborts were sent to every worker holding state
 
 
 class DisaggClient:
@@ -89,6 +107,7 @@ class DisaggClient:
         # request id -> [prefill worker, decode worker] of recent requests (bounded).
         self.placements: OrderedDict[str, list[str | None]] = OrderedDict()
         self.num_failed_by_worker_loss = 0
+        self.num_suspended = 0  # workers taken out of routing as unresponsive (a metric)
         self.supervisor = WorkerSupervisor(cluster.restart_policy)  # restarts lost workers
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -112,7 +131,7 @@ class DisaggClient:
             parent_pid=os.getpid(), kv_store_url=c.store_url if role == "prefill" else None,
             report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
             kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
-            debug_transfer_delay_s=c.debug_transfer_delay_s)
+            debug_transfer_delay_s=c.debug_transfer_delay_s, max_staged_bytes=c.max_staged_bytes)
         return WorkerHandle(spec, sock)
 
     async def start(self) -> None:
@@ -128,7 +147,7 @@ class DisaggClient:
         await self._wait_ready()
         now = time.monotonic()
         for handle in self.workers.values():
-            handle.last_seen = now
+            handle.last_seen = handle.last_loop_advance = now
             self.supervisor.add_worker(handle.worker_id, handle.role, now)
             if handle.load is None:  # routable before its first report: an empty worker
                 r = handle.ready
@@ -163,7 +182,7 @@ class DisaggClient:
                     self.vocab_size = message.vocab_size
                     self.tokenizer = pickle.loads(message.tokenizer_pickle)
             elif isinstance(message, WorkerReport):
-                self._on_report(message)
+                await self._on_report(message)
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -224,6 +243,7 @@ class DisaggClient:
             raise ValueError("disaggregated serving supports n=1 only")
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        self._check_decode_fit(request_id, len(prompt_token_ids))
         track = _Track(request_id, list(prompt_token_ids), params,
                        arrival_time or time.monotonic(), asyncio.Queue(),
                        last_progress=time.monotonic())
@@ -233,16 +253,15 @@ class DisaggClient:
             await self._send_prefill(track, exclude=None)
             while not finished:
                 item = await track.queue.get()
-                if isinstance(item, _RequestFailed):
-                    finished = True
+                if isinstance(item, _Failed):
                     raise item.error
                 finished = item.finished
                 yield item
         finally:
             self._requests.pop(request_id, None)
-            self._forget_placement(track)
-            if not finished:
+            if not finished:  # failed, or the client went away: free every worker's state
                 await self._abort_track(track)
+            self._forget_placement(track)
 
     async def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -250,11 +269,38 @@ class DisaggClient:
             if track is not None:
                 await self._abort_track(track)
 
+    def _check_decode_fit(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Refuse (ValueError -> 400) a prompt no decode worker could ever hold, before any
+        prefill compute is spent on it; it would otherwise wait for room that never comes."""
+        if num_prompt_tokens < 1:
+            return  # the prefill worker rejects an empty prompt with its own message
+        try:
+            self.decode_router.check_fits(RoutingRequest(request_id, num_prompt_tokens),
+                                          self._loads("decode"))
+        except NoWorkerAvailable:
+            pass  # transient: decided when the request reaches decode
+        except RequestTooLarge as exc:
+            raise ValueError(str(exc)) from None
+
     async def _abort_track(self, track: _Track) -> None:
-        for wid in {track.prefill_worker, track.decode_worker} - {None}:
-            await self._send(wid, AbortRequests([track.request_id]))
-            router = self.prefill_router if wid == track.prefill_worker else self.decode_router
-            router.on_request_aborted(track.request_id, wid)
+        """Abort the request on every worker that may hold state for it (idempotent)."""
+        if track.aborted:
+            return
+        track.aborted = True
+        for wid, router in ((track.prefill_worker, self.prefill_router),
+                            (track.decode_worker, self.decode_router)):
+            if wid is not None:
+                await self._send(wid, AbortRequests([track.request_id]))
+                router.on_request_aborted(track.request_id, wid)
+
+    async def _give_up(self, track: _Track, error: Exception) -> None:
+        """Fail the request to its consumer and free its state on every worker at once (not
+        when the consumer gets round to it, nor at the staged KV's TTL)."""
+        if track.failed:
+            return
+        track.failed = True
+        track.queue.put_nowait(_Failed(error))
+        await self._abort_track(track)
 
     def _forget_placement(self, track: _Track) -> None:
         for wid in (track.prefill_worker, track.decode_worker):
@@ -263,7 +309,8 @@ class DisaggClient:
 
     async def _send(self, worker_id: str, message) -> None:
         handle = self.workers.get(worker_id)
-        if handle is None or not handle.alive:
+        # A suspended worker still gets messages (aborts): it reads them when it resumes.
+        if handle is None or not (handle.alive or handle.suspended_since is not None):
             return
         try:
             await handle.input_socket.send(self._encoder.encode(message), copy=False)
@@ -286,7 +333,7 @@ class DisaggClient:
             worker_id = self.prefill_router.route(routing, loads, time.monotonic())
         except NoWorkerAvailable as exc:
             raise EngineDeadError(str(exc)) from None
-        track.phase, track.prefill_worker = "prefill", worker_id
+        track.phase, track.prefill_worker, track.kv_pending = "prefill", worker_id, False
         self._place(track.request_id, 0, worker_id)
         self.workers[worker_id].request_ids.add(track.request_id)
         await self._send(worker_id, PrefillRequest(track.request_id, track.prompt_token_ids,
@@ -299,12 +346,12 @@ class DisaggClient:
                                  expected_output_tokens=expected)
         try:
             worker_id = self.decode_router.route(routing, self._loads("decode"), time.monotonic())
-        except NoWorkerAvailable as exc:
-            await self._send(track.prefill_worker, AbortRequests([track.request_id]))
-            self._fail(track, f"no decode worker available: {exc}")
+        except (NoWorkerAvailable, RequestTooLarge) as exc:
+            await self._give_up(track, EngineDeadError(f"no decode worker available: {exc}"))
             return
-        self.workers[track.prefill_worker].request_ids.discard(track.request_id)
-        track.phase, track.decode_worker = "decode", worker_id
+        # The prefill worker keeps holding the request until the decode worker reports its
+        # KV received (`kv_received`): losing it before then fails the request.
+        track.phase, track.decode_worker, track.kv_pending = "decode", worker_id, True
         self._place(track.request_id, 1, worker_id)
         self.workers[worker_id].request_ids.add(track.request_id)
         await self._send(worker_id, DecodeRequest(
@@ -320,8 +367,11 @@ class DisaggClient:
         while len(self.placements) > MAX_PLACEMENTS:
             self.placements.popitem(last=False)
 
-    def _fail(self, track: _Track, message: str) -> None:
-        track.queue.put_nowait(_RequestFailed(EngineDeadError(message)))
+    async def hang_worker_loop(self, worker_id: str, release_path: str,
+                               max_s: float = 600.0) -> None:
+        """Fault injection (tests, chaos runs): `worker_id`'s engine loop stops advancing until
+        the file `release_path` exists (its heartbeat thread keeps beating)."""
+        await self._send(worker_id, DebugHangLoop(release_path, max_s))
 
     # --- worker messages ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -334,101 +384,180 @@ class DisaggClient:
                 logger.exception("bad message from a worker: %s", exc)
                 continue
             if isinstance(message, WorkerReport):
-                self._on_report(message)
+                await self._on_report(message)
                 for done in message.prefill_done:
                     track = self._requests.get(done.request_id)
-                    if track is None or track.prefill_worker != message.worker_id:
+                    if track is None or track.prefill_worker != message.worker_id \
+                            or track.failed or track.phase != "prefill":
                         await self._send(message.worker_id, AbortRequests([done.request_id]))
                         continue
                     await self._send_decode(track, done)
             elif isinstance(message, WorkerHeartbeat):
-                handle = self.workers.get(message.worker_id)
-                if handle is not None and handle.alive:
-                    handle.last_seen = time.monotonic()
+                self._on_heartbeat(message)
             elif isinstance(message, WorkerReady):
                 self._on_worker_restart_ready(message)
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_dead(message.worker_id, f"worker failed: "
                                            f"{message.message.strip().splitlines()[-1]}")
 
-    def _on_report(self, report: WorkerReport) -> None:
-        handle = self.workers.get(report.worker_id)
-        if handle is not None and not handle.alive:
-            self._maybe_readmit(handle)
-        if handle is None or not handle.alive:
+    def _on_heartbeat(self, beat: WorkerHeartbeat) -> None:
+        handle = self.workers.get(beat.worker_id)
+        if handle is None:
             return
         now = time.monotonic()
         handle.last_seen = now
+        handle.last_loop_advance = max(handle.last_loop_advance, now - beat.loop_age_s)
+        if handle.suspended_since is not None and \
+                handle.last_loop_advance > handle.suspended_since:
+            self._resume_worker(handle)
+
+    async def _on_report(self, report: WorkerReport) -> None:
+        handle = self.workers.get(report.worker_id)
+        if handle is None:
+            return
+        now = time.monotonic()
+        if not handle.alive:
+            if handle.suspended_since is not None:
+                self._resume_worker(handle)  # reports come from the loop: it advanced
+            else:
+                self._maybe_readmit(handle)
+        if not handle.alive:
+            return
+        handle.last_seen = handle.last_loop_advance = now
         handle.last_report = report.load
         handle.counters = report.counters
         handle.load = handle.to_worker_load(report.load, now)
         router = self.prefill_router if handle.role == "prefill" else self.decode_router
         router.on_load_report(handle.load)
         for delta in report.outputs:
-            track = self._requests.get(delta.request_id)
+            track = self._current_track(delta.request_id, report.worker_id)
             if track is None:
                 continue
             track.num_tokens_streamed += sum(len(c.token_ids) for c in delta.choices)
             track.last_progress = now
             track.queue.put_nowait(delta)
+        for request_id in report.kv_received:
+            track = self._current_track(request_id, report.worker_id)
+            if track is not None and track.kv_pending:
+                track.kv_pending = False
+                track.last_progress = now
+                prefill = self.workers.get(track.prefill_worker)
+                if prefill is not None:
+                    prefill.request_ids.discard(request_id)
         for error in report.errors:
-            track = self._requests.get(error.request_id)
+            track = self._current_track(error.request_id, report.worker_id)
             if track is not None:
-                track.queue.put_nowait(_RequestFailed(ValueError(error.message)
-                                                      if track.num_tokens_streamed == 0
-                                                      else EngineDeadError(error.message)))
+                await self._give_up(track, ValueError(error.message)
+                                    if track.num_tokens_streamed == 0
+                                    else EngineDeadError(error.message))
+
+    def _current_track(self, request_id: str, worker_id: str) -> _Track | None:
+        """The live request, if `worker_id` is the one now serving it: a worker that was
+        suspended or replaced may still report requests that moved elsewhere."""
+        track = self._requests.get(request_id)
+        if track is None or track.failed:
+            return None
+        serving = track.prefill_worker if track.phase == "prefill" else track.decode_worker
+        return track if serving == worker_id else None
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_CHECK_PERIOD_S)
             now = time.monotonic()
             for handle in list(self.workers.values()):
-                if not handle.alive:
-                    continue
-                if handle.proc is not None and not handle.proc.is_alive():
-                    await self._on_worker_dead(handle.worker_id,
-                                               f"process exited ({handle.proc.exitcode})")
-                elif now - handle.last_seen > self.cluster.heartbeat_timeout_s:
-                    await self._on_worker_dead(handle.worker_id, "missed heartbeats")
+                await self._check_worker(handle, now)
             self._supervise_workers(time.monotonic())
             for track in list(self._requests.values()):
-                if now - track.last_progress > self.cluster.stall_timeout_s:
-                    track.last_progress = now
-                    self._fail(track, f"request made no progress for "
-                                      f"{self.cluster.stall_timeout_s:.0f} s")
+                if not track.failed and now - track.last_progress > self.cluster.stall_timeout_s:
+                    await self._give_up(track, EngineDeadError(
+                        f"request made no progress for {self.cluster.stall_timeout_s:.0f} s"))
+
+    async def _check_worker(self, handle: WorkerHandle, now: float) -> None:
+        suspended = handle.suspended_since is not None
+        if not (handle.alive or suspended):
+            return
+        c = self.cluster
+        if handle.proc is not None and not handle.proc.is_alive():
+            await self._on_worker_dead(handle.worker_id, f"process exited ({handle.proc.exitcode})")
+        elif suspended:
+            if now - handle.suspended_since > c.hung_restart_after_s:
+                await self._on_worker_dead(handle.worker_id, f"unresponsive for "
+                                           f"{now - handle.suspended_since:.0f} s "
+                                           f"({handle.dead_reason})")
+        elif now - handle.last_seen > c.heartbeat_timeout_s:
+            await self._suspend_worker(handle.worker_id, f"missed heartbeats (silent for "
+                                                         f"{now - handle.last_seen:.1f} s)")
+        elif now - handle.last_loop_advance > c.loop_stall_timeout_s:
+            await self._suspend_worker(handle.worker_id, f"its engine loop has not advanced for "
+                                                         f"{now - handle.last_loop_advance:.1f} s")
 
     async def _on_worker_dead(self, worker_id: str, reason: str) -> None:
+        """Lost for good (exited, failed, unreachable, or unresponsive too long): kill what is
+        left of it; the supervisor decides on a restart."""
+        handle = self.workers[worker_id]
+        if not handle.alive and handle.suspended_since is None:
+            return
+        logger.error("%s removed from routing: %s", worker_id, reason)
+        handle.alive, handle.dead_reason, handle.suspended_since = False, reason, None
+        router = self.prefill_router if handle.role == "prefill" else self.decode_router
+        router.remove_worker(worker_id)
+        await self._release_requests(handle, reason)
+        if handle.proc is not None and handle.proc.is_alive():
+            handle.proc.kill()  # a hung worker must not come back with stale state
+        self._on_worker_lost(handle, reason)
+
+    async def _suspend_worker(self, worker_id: str, reason: str) -> None:
+        """Unresponsive but not gone: out of routing, its requests retried or failed (and
+        aborted on it, which it reads when it resumes), back in routing when it advances."""
         handle = self.workers[worker_id]
         if not handle.alive:
             return
-        logger.error("%s removed from routing: %s", worker_id, reason)
+        logger.error("%s suspended from routing: %s", worker_id, reason)
         handle.alive, handle.dead_reason = False, reason
+        handle.suspended_since = time.monotonic()
+        self.num_suspended += 1
         router = self.prefill_router if handle.role == "prefill" else self.decode_router
         router.remove_worker(worker_id)
+        await self._release_requests(handle, reason)
+
+    def _resume_worker(self, handle: WorkerHandle) -> None:
+        now = time.monotonic()
+        logger.warning("%s is back in routing after %.1f s unresponsive (%s)", handle.worker_id,
+                       now - handle.suspended_since, handle.dead_reason)
+        handle.alive, handle.dead_reason, handle.suspended_since = True, None, None
+        handle.last_seen = now
+        router = self.prefill_router if handle.role == "prefill" else self.decode_router
+        router.add_worker(handle.worker_id)
+
+    async def _release_requests(self, handle: WorkerHandle, reason: str) -> None:
+        """Move or fail every request `handle` holds (it is out of routing already)."""
+        worker_id = handle.worker_id
         for request_id in sorted(handle.request_ids):
             track = self._requests.get(request_id)
-            if track is None:
+            if track is None or track.failed:
                 continue
-            if track.num_tokens_streamed == 0 and track.num_retries == 0 \
-                    and track.phase == "prefill":
+            if handle.role == "prefill" and track.phase == "prefill" \
+                    and track.num_tokens_streamed == 0 and track.num_retries == 0:
                 track.num_retries += 1
                 self.num_retried += 1
                 track.last_progress = time.monotonic()
+                await self._send(worker_id, AbortRequests([request_id]))  # if it resumes
+                self.prefill_router.on_request_aborted(request_id, worker_id)
                 try:
                     await self._send_prefill(track, exclude=worker_id)
                     continue
                 except EngineDeadError as exc:
                     reason = f"{reason}; retry impossible: {exc}"
             self.num_failed_by_worker_loss += 1
-            if track.prefill_worker not in (None, worker_id):
-                # Its KV may still be staged there, waiting for a pull that will never come.
-                await self._send(track.prefill_worker, AbortRequests([request_id]))
-            self._fail(track, f"{handle.role} worker {worker_id} was lost ({reason}) after "
-                              f"{track.num_tokens_streamed} streamed tokens")
+            if handle.role == "prefill" and track.phase == "decode":
+                message = (f"prefill worker {worker_id} was lost ({reason}) before decode "
+                           f"worker {track.decode_worker} received the request's KV")
+            else:
+                message = (f"{handle.role} worker {worker_id} was lost ({reason}) after "
+                           f"{track.num_tokens_streamed} streamed tokens")
+            # Aborts every other holder too: staged KV, a pull in flight, allocated blocks.
+            await self._give_up(track, EngineDeadError(message))
         handle.request_ids.clear()
-        if handle.proc is not None and handle.proc.is_alive():
-            handle.proc.kill()  # a hung worker must not come back with stale state
-        self._on_worker_lost(handle, reason)
 
     # --- self-healing (policy and back-off: worker_supervisor) --------------------------------
     def _on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:

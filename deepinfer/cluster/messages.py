@@ -55,7 +55,15 @@ class ShutdownWorker(msgspec.Struct, tag=True):
     pass
 
 
-ClusterInput = PrefillRequest | DecodeRequest | AbortRequests | ShutdownWorker
+class DebugHangLoop(msgspec.Struct, tag=True):
+    """Fault injection (tests, chaos runs): the engine loop stops advancing until the file
+    `release_path` exists or `max_s` pass; the heartbeat thread keeps beating meanwhile."""
+
+    release_path: str
+    max_s: float = 600.0
+
+
+ClusterInput = PrefillRequest | DecodeRequest | AbortRequests | ShutdownWorker | DebugHangLoop
 
 # --- worker -> front -----------------------------------------------------------------------
 
@@ -97,6 +105,8 @@ class WorkerLoadReport(msgspec.Struct):
     block_size: int
     kv_tokens: int
     max_running_reqs: int
+    kv_staged_bytes: int = 0  # prefill: staged + promised to admitted prompts
+    kv_staging_capacity_bytes: int = 0  # prefill: the cap (0: none reported)
 
 
 class WorkerCounters(msgspec.Struct):
@@ -123,6 +133,7 @@ class WorkerReport(msgspec.Struct, tag=True):
     outputs: list[RequestDelta] = []
     errors: list[RequestError] = []
     prefill_done: list[PrefillDone] = []
+    kv_received: list[str] = []  # decode: requests whose prompt KV arrived (pull finished)
 
 
 class WorkerHeartbeat(msgspec.Struct, tag=True):

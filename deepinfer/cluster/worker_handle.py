@@ -23,7 +23,9 @@ class WorkerHandle:
     last_report: WorkerLoadReport | None = None
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     request_ids: set[str] = field(default_factory=set)  # requests the front placed here
-    dead_reason: str | None = None
+    dead_reason: str | None = None  # why it is out of routing
+    suspended_since: float | None = None  # unresponsive (not lost): may resume
+    last_loop_advance: float = 0.0  # when its engine loop last finished an iteration
 
     @property
     def worker_id(self) -> str:
@@ -41,4 +43,5 @@ class WorkerHandle:
             num_kv_blocks_used=report.num_kv_blocks_used,
             num_kv_blocks_total=report.num_kv_blocks_total, block_size=report.block_size,
             kv_tokens=report.kv_tokens, max_running_reqs=report.max_running_reqs,
-            healthy=self.alive)
+            healthy=self.alive, kv_staged_bytes=report.kv_staged_bytes,
+            kv_staging_capacity_bytes=report.kv_staging_capacity_bytes or None)

@@ -15,7 +15,8 @@ import time
 
 import zmq
 
-from deepinfer.cluster.messages import (AbortRequests, PrefillDone, ShutdownWorker,
+from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, PrefillDone,
+                                        ShutdownWorker,
                                         WorkerCounters, WorkerLoadReport, WorkerReport,
                                         cluster_input_decoder, make_encoder)
 from deepinfer.cluster.worker_spec import WorkerSpec
@@ -42,6 +43,7 @@ class WorkerLoop:
         self._outputs: list[RequestDelta] = []
         self._errors: list[RequestError] = []
         self._prefill_done: list[PrefillDone] = []
+        self._kv_received: list[str] = []
         self._dirty = True
         self._last_report = 0.0
         self.last_iteration_time = time.monotonic()  # read by the heartbeat thread
@@ -64,8 +66,13 @@ class WorkerLoop:
         for output in outputs:
             self._outputs.append(self.tracker.to_delta(output))
 
-    def extra_load(self) -> tuple[int, int]:
-        """(waiting requests, KV tokens) held outside the scheduler's queues."""
+    def extra_load(self) -> tuple[int, int, int]:
+        """(waiting requests, KV tokens, queued uncached tokens) held outside the scheduler's
+        queues."""
+        return 0, 0, 0
+
+    def staging_load(self) -> tuple[int, int]:
+        """(KV staging bytes used, capacity) of a prefill worker; (0, 0) otherwise."""
         return 0, 0
 
     def update_counters(self) -> None:
@@ -98,11 +105,22 @@ class WorkerLoop:
         if isinstance(message, ShutdownWorker):
             return False
         self._dirty = True
+        if isinstance(message, DebugHangLoop):
+            self._hang(message)
+            return True
         if isinstance(message, AbortRequests):
             self.engine.abort_request(message.request_ids)
             self.tracker.forget(message.request_ids)
         self.handle(message)
         return True
+
+    def _hang(self, message: DebugHangLoop) -> None:
+        """Fault injection: a loop that stops advancing while the process lives."""
+        logger.warning("%s: engine loop hung on request (until %s exists)",
+                       self.spec.worker_id, message.release_path)
+        deadline = time.monotonic() + message.max_s
+        while not os.path.exists(message.release_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # --- reports -----------------------------------------------------------------------------
     def emit_error(self, request_id: str, message: str) -> None:
@@ -116,8 +134,9 @@ class WorkerLoop:
     def load_report(self) -> WorkerLoadReport:
         sched = self.engine.scheduler
         kv = sched.kv
-        extra_waiting, extra_kv_tokens = self.extra_load()
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        extra_waiting, extra_kv_tokens, extra_queued = self.extra_load()
+        staged_bytes, staging_capacity = self.staging_load()
+        queued = extra_queued + sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         queued += sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running
                       if r.num_tokens - r.num_computed_tokens > 1)
         return WorkerLoadReport(
@@ -128,14 +147,16 @@ class WorkerLoop:
             num_kv_blocks_total=kv.num_blocks,
             block_size=kv.block_size,
             kv_tokens=sum(r.num_tokens for r in sched.running) + extra_kv_tokens,
-            max_running_reqs=sched.config.max_num_seqs)
+            max_running_reqs=sched.config.max_num_seqs, kv_staged_bytes=staged_bytes,
+            kv_staging_capacity_bytes=staging_capacity)
 
     def send_report(self) -> None:
         self.update_counters()
         report = WorkerReport(worker_id=self.spec.worker_id, load=self.load_report(),
                               counters=self.counters, outputs=self._outputs,
-                              errors=self._errors, prefill_done=self._prefill_done)
+                              errors=self._errors, prefill_done=self._prefill_done,
+                              kv_received=self._kv_received)
         self.output_socket.send(self.encoder.encode(report), copy=False)
-        self._outputs, self._errors, self._prefill_done = [], [], []
+        self._outputs, self._errors, self._prefill_done, self._kv_received = [], [], [], []
         self._dirty = False
         self._last_report = time.monotonic()

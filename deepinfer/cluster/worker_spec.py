@@ -13,7 +13,8 @@ class WorkerSpec:
     """`input_addr` / `output_addr`: the front's bound PUSH (to this worker) and PULL (from
     every worker) TCP addresses. `kv_store_url`: the shared prefix store (prefill workers;
     None disables it). `debug_transfer_delay_s` delays every KV fetch of a decode worker
-    (fault injection for tests: widens the window between prefill and decode)."""
+    (fault injection for tests: widens the window between prefill and decode).
+    `max_staged_bytes`: host memory a prefill worker may hold for decode pulls."""
 
     worker_id: str
     role: str
@@ -28,9 +29,12 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     log_level: str = "WARNING"
     debug_transfer_delay_s: float = 0.0
+    max_staged_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         if self.role not in CLUSTER_ROLES:
             raise ValueError(f"role must be one of {CLUSTER_ROLES}, got {self.role!r}")
         if self.report_interval_s <= 0 or self.transfer_timeout_s <= 0 or self.kv_stage_ttl_s <= 0:
             raise ValueError("report interval, transfer timeout and stage TTL must be positive")
+        if self.max_staged_bytes < 1:
+            raise ValueError("max_staged_bytes must be positive")
