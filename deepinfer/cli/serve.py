@@ -32,6 +32,8 @@ def register(sub) -> None:
     g.add_argument("--demo-question", default=DEMO_QUESTION)
     from deepinfer.cluster.cluster_args import add_cluster_args
     add_cluster_args(p)
+    from deepinfer.cli.engine_args import add_parallel_args
+    add_parallel_args(p)
     p.set_defaults(func=_run)
 
 
@@ -81,6 +83,11 @@ def _run(args) -> int:
         raise CLIError("--max-waiting-requests must be at least 1")
     if args.max_engine_restarts < 0:
         raise CLIError("--max-engine-restarts must be >= 0")
+    from deepinfer.cli.engine_args import ep_config_from_args
+    ep_config = ep_config_from_args(args, engine_config)  # None: one engine process
+    if ep_config is not None and (args.prefill_workers or args.decode_workers):
+        raise CLIError("--data-parallel-size / --enable-expert-parallel with disaggregated "
+                       "workers is not supported yet")
     _check_port_free(args.host, args.port)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
@@ -100,6 +107,10 @@ def _run(args) -> int:
             client = cluster_client_from_args(args, engine_config)
         except ValueError as e:  # bad cluster flags: the CLI's one-line exit 2
             raise CLIError(str(e)) from None
+        if ep_config is not None:  # rank processes behind a routing front (deepinfer.ep)
+            from deepinfer.ep.dp_client import DataParallelClient
+            client = DataParallelClient(engine_config, ep_config, log_level=args.log_level,
+                                        restart_policy=config.engine_restart)
         asyncio.run(run_server(engine_config, config, on_ready=on_ready, client=client))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None

@@ -303,3 +303,15 @@ def _log2phy(phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
         j = np.arange(max_replicas)
         out[layer] = slots[starts[:, None] + j[None, :] % logcnt[layer][:, None]]
     return out
+
+
+def placement_from_phy2log(phy2log, num_logical: int, num_ranks: int) -> ExpertPlacement:
+    """The placement of a given slot layout [layers, num_physical] (e.g. the initial one,
+    slot p holding expert p % num_logical); every expert must have a slot."""
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    if phy2log.ndim != 2 or phy2log.shape[1] % num_ranks:
+        raise ValueError(f"phy2log must be [layers, slots] with slots divisible by {num_ranks}")
+    logcnt = np.stack([np.bincount(row, minlength=num_logical) for row in phy2log])
+    if logcnt.shape[1] != num_logical or np.any(logcnt == 0):
+        raise ValueError("every logical expert needs at least one slot")
+    return ExpertPlacement(phy2log, _log2phy(phy2log, logcnt), logcnt, num_ranks)

@@ -26,11 +26,16 @@ class ModelRunner:
         self.decode_kernel = kernel if kernel and kernel.supports(cache.spec.dtype, device) else None
         if getattr(cache.spec, "is_latent", False):
             self.decode_kernel = None  # the C kernel reads per-head K/V blocks
+        # Expert parallelism: a step that schedules nothing must still join the group's
+        # MoE collectives (deepinfer.moe.expert_parallel.ExpertParallelRuntime.run_empty_step).
+        self.empty_step_hook = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
         start = time.perf_counter()
         if output.is_empty:
+            if self.empty_step_hook is not None:
+                self.empty_step_hook()
             return StepResult({}, step_time_s=0.0)
         # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.
         ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)

@@ -1,0 +1,41 @@
+"""Messages of the EP group on top of the engine protocol (server/messages.py): rank control
+from the front, and EPLB results from rank 0. Tags differ from the engine messages, so one
+decoder reads both."""
+from __future__ import annotations
+
+import msgspec
+
+from deepinfer.server.messages import EngineMessage, FrontMessage
+
+
+class WakeUp(msgspec.Struct, tag=True):
+    """Sent to the other ranks of a group when one gets a request: an idle rank waiting on
+    its socket joins the next group step at once instead of after its idle poll."""
+
+
+class ForceRebalance(msgspec.Struct, tag=True):
+    """Rebalance experts at the next group step (every rank is told through the step header)."""
+
+
+class EPLBStats(msgspec.Struct, tag=True):
+    """After each rebalance (rank 0; the numbers are the same on every rank)."""
+
+    step: int
+    balancedness_before: list[float]  # per MoE layer
+    balancedness_after: list[float]
+    num_moved_slots: int
+    moved_bytes: int
+    duration_s: float
+    redundant_expert_bytes: int
+    num_rebalances: int
+
+
+RankControl = WakeUp | ForceRebalance
+
+
+def make_rank_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FrontMessage | RankControl)
+
+
+def make_front_rank_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineMessage | EPLBStats)

@@ -1,0 +1,130 @@
+"""The front's handle on one group of rank processes: spawn, sockets, readiness, teardown.
+
+An expert-parallel group is all of its ranks or nothing: they share the experts and step
+together, so when one rank dies the others are killed too and the group is started again as
+a whole (new port, new sockets: nothing queued for the old ranks reaches the new ones).
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from deepinfer.ep.ep_config import EPConfig
+from deepinfer.ep.messages import EPLBStats, make_front_rank_decoder
+from deepinfer.ep.process_group import free_port
+from deepinfer.ep.rank_proc import run_rank_proc
+from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
+
+
+@dataclass
+class RankHandle:
+    group: int
+    rank: int  # within the group
+    global_rank: int  # across groups: what `generate(rank=...)` pins to
+    proc: multiprocessing.process.BaseProcess
+    input: zmq.asyncio.Socket
+    output: zmq.asyncio.Socket
+    stats: EngineStatsSnapshot = field(default_factory=EngineStatsSnapshot)
+    open_request_ids: set[str] = field(default_factory=set)
+    num_requests_sent: int = 0
+    ready: EngineReady | None = None
+
+    @property
+    def num_waiting_requests(self) -> int:
+        in_flight = self.num_requests_sent - self.stats.num_requests_received
+        return max(0, in_flight) + self.stats.num_waiting
+
+
+@dataclass
+class GroupHandle:
+    index: int
+    size: int
+    ranks: list[RankHandle] = field(default_factory=list)
+    healthy: bool = False
+    dead_message: str | None = "not started"
+    incarnation: int = 0
+    healthy_since: float = 0.0
+    eplb: EPLBStats | None = None
+    num_rebalances: int = 0  # over every incarnation
+    moved_bytes: int = 0
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self, ctx: zmq.asyncio.Context, ipc_dir: str, engine_config,
+                    ep_config: EPConfig, log_level: str, ready_timeout_s: float) -> None:
+        """Spawn every rank, wait for each one's EngineReady and first report. Raises
+        EngineDeadError (all of them killed) if any rank does not come up."""
+        self.incarnation += 1
+        port = free_port() if ep_config.enable_expert_parallel else None
+        spawn = multiprocessing.get_context("spawn")
+        self.ranks = []
+        for r in range(self.size):
+            name = f"ipc://{ipc_dir}/g{self.index}-r{r}-{self.incarnation}-%s"
+            input_socket = ctx.socket(zmq.PUSH)
+            input_socket.setsockopt(zmq.SNDHWM, 0)
+            input_socket.bind(name % "in")
+            output_socket = ctx.socket(zmq.PULL)
+            output_socket.setsockopt(zmq.RCVHWM, 0)
+            output_socket.bind(name % "out")
+            proc = spawn.Process(target=run_rank_proc, name=f"deepinfer-g{self.index}-rank{r}",
+                                 daemon=True,
+                                 args=(engine_config, ep_config, r, port, name % "in",
+                                       name % "out", os.getpid(), log_level))
+            proc.start()
+            self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
+                                         input_socket, output_socket))
+        try:
+            await asyncio.gather(*(self._wait_up(h, ready_timeout_s) for h in self.ranks))
+        except BaseException:
+            await self.kill()
+            raise
+        self.healthy, self.dead_message = True, None
+        self.healthy_since = time.monotonic()
+        self.lost.clear()
+
+    @staticmethod
+    async def _wait_up(handle: RankHandle, timeout_s: float) -> None:
+        decoder = make_front_rank_decoder()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await handle.output.poll(200):
+                message = decoder.decode(await handle.output.recv())
+                if isinstance(message, EngineReady):
+                    handle.ready = message
+                elif isinstance(message, EngineOutputs) and handle.ready is not None:
+                    handle.stats = message.stats or handle.stats
+                    return
+                elif isinstance(message, EngineDead):
+                    raise EngineDeadError(f"rank {handle.rank} failed to start:\n{message.message}")
+            elif not handle.proc.is_alive():
+                raise EngineDeadError(f"rank {handle.rank} {exit_message(handle.proc.exitcode)}")
+        raise EngineDeadError(f"rank {handle.rank} not ready after {timeout_s:.0f} s")
+
+    async def kill(self) -> None:
+        """Kill every rank (no waiting on collectives) and close their sockets."""
+        self.healthy = False
+        for h in self.ranks:
+            if h.proc.is_alive():
+                h.proc.kill()
+        for h in self.ranks:
+            await asyncio.to_thread(h.proc.join, 10)
+            for sock in (h.input, h.output):
+                if not sock.closed:
+                    sock.close(linger=0)
+
+
+def exit_message(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"

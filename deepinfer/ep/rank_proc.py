@@ -1,0 +1,107 @@
+"""One rank process of a data-parallel / expert-parallel group (spawn target).
+
+    front PUSH ──AddRequest / AbortRequest / Shutdown / WakeUp / ForceRebalance──▶ rank r
+    front PULL ◀──EngineReady / EngineOutputs / EPLBStats / EngineDead────────────── rank r
+
+The rank owns a whole engine (scheduler, KV cache, requests: attention is data parallel).
+With expert parallelism its MoE layers hold only its expert slots and the group steps in
+lockstep (rank_loop.RankLoop); without it the rank is an independent engine (EngineLoop).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import traceback
+
+import torch
+import zmq
+
+from deepinfer.ep.ep_config import EPConfig
+from deepinfer.server.messages import EngineDead, EngineReady, make_encoder
+
+logger = logging.getLogger(__name__)
+
+
+def rank_device(engine_config, rank: int) -> torch.device:
+    from deepinfer.engine.llm_engine import resolve_device
+    device = resolve_device(engine_config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int | None):
+    """(LLMEngine, ExpertParallelRuntime | None, RankGroup | None) for this rank."""
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
+    from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
+    from deepinfer.runtime.model_source import load_model, resolve_model
+
+    device = rank_device(engine_config, rank)
+    world = ep_config.data_parallel_size
+    threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // world)
+    config = dataclasses.replace(engine_config, device=str(device), num_threads=threads)
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    source = resolve_model(config.model)
+    model = load_model(source, getattr(torch, config.dtype), device)
+    runtime = group = None
+    if ep_config.enable_expert_parallel:
+        from deepinfer.ep.process_group import init_rank_group
+        from deepinfer.moe.expert_parallel import ExpertParallelRuntime
+
+        group = init_rank_group(rank, world, port, device, ep_config.backend,
+                                ep_config.collective_timeout_s)
+        runtime = ExpertParallelRuntime(
+            model, rank, world, ep_config.dispatcher,
+            ep_config.eplb if ep_config.enable_eplb else None, ep_config.num_redundant_experts)
+    if device.type == "cpu":  # as LLMEngine does for a model it loads itself
+        pack_linear_weights(model)
+        install_elementwise_kernels(model)
+    engine = LLMEngine(config, source=source, model=model)
+    if runtime is not None:
+        engine.runner.empty_step_hook = runtime.run_empty_step
+    return engine, runtime, group
+
+
+def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | None,
+                  input_addr: str, output_addr: str, parent_pid: int,
+                  log_level: str = "WARNING") -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops us with Shutdown
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(input_addr)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_addr)
+    encoder = make_encoder()
+    try:
+        engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port)
+        output_socket.send(encoder.encode(EngineReady(
+            model_name=engine.model_name, max_model_len=int(engine.max_model_len),
+            vocab_size=int(engine.model_config.vocab_size),
+            tokenizer_pickle=pickle.dumps(engine.tokenizer) if rank == 0 else b"")))
+        if runtime is None:
+            from deepinfer.server.engine_proc import EngineLoop
+            EngineLoop(engine, input_socket, output_socket, parent_pid).run()
+        else:
+            from deepinfer.ep.rank_loop import RankLoop
+            RankLoop(engine, runtime, group, input_socket, output_socket, parent_pid).run()
+            from deepinfer.ep.process_group import destroy_rank_group
+            destroy_rank_group()  # only on a clean exit: with a dead peer it could wait
+    except Exception:  # report, then die: the front takes the group out of routing
+        message = traceback.format_exc()
+        logger.error("rank %d failed:\n%s", rank, message)
+        output_socket.send(encoder.encode(EngineDead(message=message[-4000:])))
+        raise SystemExit(1)
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        ctx.term()

@@ -1,0 +1,124 @@
+"""Expert-parallel drop-in for `MoEExperts`: this rank's physical expert slots, the mapping from
+logical experts to slots, and a per-slot token counter for the load balancer.
+
+    slot p (global)  = rank * slots_per_rank + local slot       (rank-major, as moe/eplb.py)
+    gate_up_proj [S, 2I, H], down_proj [S, H, I]                this rank's S slots only
+    log2phy [E, max_replicas], logcnt [E]                       every rank holds the whole map
+
+A token's pair (token t, logical expert e) goes to replica (t + rank) % logcnt[e] of e: the
+tokens of a replicated expert spread over its replicas, deterministically. Replicas are exact
+copies, so which one computes a pair never changes the result.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepinfer.moe.dispatch import ExpertBatch, TokenDispatcher
+
+
+class ExpertParallelExperts(nn.Module):
+    def __init__(self, num_logical: int, num_physical: int, rank: int, world_size: int,
+                 hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 dispatcher: TokenDispatcher) -> None:
+        super().__init__()
+        if num_physical % world_size:
+            raise ValueError(f"{num_physical} physical experts do not divide over {world_size} ranks")
+        self.num_experts = num_logical  # what MoEExperts callers read
+        self.num_physical = num_physical
+        self.rank = rank
+        self.world_size = world_size
+        self.slots_per_rank = num_physical // world_size
+        self.intermediate_size = intermediate_size
+        self.dispatcher = dispatcher
+        dev = torch.get_default_device()
+        s = self.slots_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(s, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                                     device=dev), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(s, hidden_size, intermediate_size, dtype=dtype,
+                                                  device=dev), requires_grad=False)
+        self.register_buffer("log2phy", torch.zeros(num_logical, 1, dtype=torch.long, device=dev),
+                             persistent=False)
+        self.register_buffer("logcnt", torch.ones(num_logical, dtype=torch.long, device=dev),
+                             persistent=False)
+        self.register_buffer("slot_load", torch.zeros(num_physical, dtype=torch.long, device=dev),
+                             persistent=False)
+        self.phy2log = np.arange(num_physical) % num_logical  # host copy of the current map
+
+    # ---- placement ---------------------------------------------------------------------------
+    @property
+    def local_slot_range(self) -> range:
+        return range(self.rank * self.slots_per_rank, (self.rank + 1) * self.slots_per_rank)
+
+    def set_mapping(self, phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> None:
+        """Switch the routing map (weights must already match `phy2log` on this rank)."""
+        dev = self.logcnt.device
+        self.phy2log = np.asarray(phy2log, dtype=np.int64).copy()
+        self.log2phy = torch.as_tensor(np.asarray(log2phy), dtype=torch.long, device=dev)
+        self.logcnt = torch.as_tensor(np.asarray(logcnt), dtype=torch.long, device=dev)
+
+    def load_local_slots(self, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+        """Fill this rank's slots from the full stacked expert weights [E, ...] (at load)."""
+        experts = torch.as_tensor(self.phy2log[self.local_slot_range.start:self.local_slot_range.stop],
+                                  device=gate_up_proj.device)
+        self.gate_up_proj.copy_(gate_up_proj.index_select(0, experts))
+        self.down_proj.copy_(down_proj.index_select(0, experts))
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights."""
+        return (self.gate_up_proj[0].numel() * self.gate_up_proj.element_size()
+                + self.down_proj[0].numel() * self.down_proj.element_size())
+
+    def take_slot_load(self) -> Tensor:
+        """Pairs routed to each physical slot since the last call [num_physical]; resets."""
+        load = self.slot_load.clone()
+        self.slot_load.zero_()
+        return load
+
+    # ---- forward -----------------------------------------------------------------------------
+    def physical_slots(self, topk_ids: Tensor) -> Tensor:
+        """topk_ids [T, k] logical -> [T, k] physical slots (replicas spread by token)."""
+        num_tokens = topk_ids.shape[0]
+        token = torch.arange(num_tokens, device=topk_ids.device).unsqueeze(1) + self.rank  # [T, 1]
+        replica = token % self.logcnt[topk_ids]  # [T, k]
+        return self.log2phy[topk_ids, replica]
+
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """x [T, hidden], topk_weights [T, k] (float), topk_ids [T, k] -> [T, hidden]."""
+        slots = self.physical_slots(topk_ids)  # [T, k]
+        if slots.numel():
+            self.slot_load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
+        batch, handle = self.dispatcher.dispatch(x, slots, topk_weights)
+        return self.dispatcher.combine(self.compute(batch, x.dtype), handle)
+
+    def run_empty(self, hidden_size: int, dtype: torch.dtype, k: int) -> None:
+        """This layer's collectives with no tokens (a rank with nothing to run this step)."""
+        dev = self.gate_up_proj.device
+        self.forward(torch.zeros(0, hidden_size, dtype=dtype, device=dev),
+                     torch.zeros(0, k, dtype=torch.float32, device=dev),
+                     torch.zeros(0, k, dtype=torch.long, device=dev))
+
+    def compute(self, batch: ExpertBatch, dtype: torch.dtype) -> Tensor:
+        """Rows of `batch` through their local slot's expert, grouped by slot -> [N, H]."""
+        x = batch.hidden
+        if x.shape[0] == 0:
+            return x.new_zeros(0, x.shape[1])
+        order = batch.local_slots.argsort(stable=True)
+        counts = torch.bincount(batch.local_slots, minlength=self.slots_per_rank).tolist()
+        sorted_x = x.index_select(0, order)
+        out = torch.empty_like(sorted_x)
+        start = 0
+        for slot, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate_up = F.linear(sorted_x[start:end], self.gate_up_proj[slot])  # [n, 2I]
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[slot])  # [n, hidden]
+            start = end
+        y = torch.empty_like(out).index_copy_(0, order, out)  # back to batch order
+        if batch.weights is not None:
+            y = (y * batch.weights.unsqueeze(1)).to(dtype)
+        return y

@@ -1,0 +1,40 @@
+"""EPLB settings, vLLM's `--eplb-config` JSON: plain data, validated on construction."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EPLBConfig:
+    window_size: int = 1000  # steps of load history the planner sees
+    step_interval: int = 3000  # rebalance every this many steps (of the whole EP group)
+    num_redundant_experts: int = 0  # extra physical slots per MoE layer (replicas of hot experts)
+    log_balancedness: bool = False  # log the window's balancedness every step_interval steps too
+
+    def __post_init__(self) -> None:
+        if self.window_size < 1 or self.step_interval < 1:
+            raise ValueError("eplb window_size and step_interval must be >= 1")
+        if self.num_redundant_experts < 0:
+            raise ValueError("eplb num_redundant_experts must be >= 0")
+
+    @classmethod
+    def from_json(cls, text: str | None) -> EPLBConfig:
+        """From `--eplb-config '{"window_size": ..}'`; ValueError (one line) on bad input."""
+        if not text:
+            return cls()
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--eplb-config is not valid JSON: {e.msg}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--eplb-config must be a JSON object")
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"--eplb-config: unknown keys {unknown}; known: {sorted(known)}")
+        for key, value in values.items():
+            want = bool if key == "log_balancedness" else int
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ValueError(f"--eplb-config: {key} must be {want.__name__}, got {value!r}")
+        return cls(**values)

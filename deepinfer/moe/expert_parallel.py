@@ -1,0 +1,109 @@
+"""One rank's view of an expert-parallel model: its MoE layers swapped for
+`ExpertParallelExperts`, the empty step, and load recording + EPLB between steps.
+
+Lockstep contract (the rank loop keeps it): every rank of the group calls, per group step,
+either the model forward (which runs each MoE layer's dispatch/combine once, in layer order)
+or `run_empty_step()` (the same collectives with no tokens), then `end_step()`.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from deepinfer.moe.dispatch import make_dispatcher
+from deepinfer.moe.ep_experts import ExpertParallelExperts
+from deepinfer.moe.eplb import placement_from_phy2log
+from deepinfer.moe.eplb_config import EPLBConfig
+from deepinfer.moe.layer import SparseMoEBlock
+from deepinfer.moe.load_recorder import ExpertLoadRecorder
+from deepinfer.moe.rebalancer import ExpertRebalancer, RebalanceReport
+
+logger = logging.getLogger(__name__)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoEBlock]:
+    return [m for m in model.modules() if isinstance(m, SparseMoEBlock)]
+
+
+class ExpertParallelRuntime:
+    def __init__(self, model: nn.Module, rank: int, world_size: int, dispatcher: str = "alltoall",
+                 eplb: EPLBConfig | None = None, num_redundant_experts: int = 0,
+                 group=None) -> None:
+        blocks = moe_blocks(model)
+        if not blocks:
+            raise ValueError("expert parallelism needs a MoE model (no sparse MoE layer found)")
+        config = blocks[0].config
+        self.num_logical = config.num_experts
+        self.num_physical = self.num_logical + num_redundant_experts
+        if self.num_physical % world_size:
+            raise ValueError(f"{self.num_logical} experts + {num_redundant_experts} redundant = "
+                             f"{self.num_physical} slots do not divide over {world_size} ranks")
+        self.rank, self.world_size = rank, world_size
+        self.top_k = config.num_experts_per_tok
+        self.eplb = eplb
+        self.num_steps = 0  # group steps (identical on every rank)
+        self.reports: list[RebalanceReport] = []
+        initial = np.tile(np.arange(self.num_physical) % self.num_logical, (len(blocks), 1))
+        placement = placement_from_phy2log(initial, self.num_logical, world_size)
+        slots_per_rank = self.num_physical // world_size
+        comm = make_dispatcher(dispatcher, rank, world_size, slots_per_rank, group)
+        self.layers: list[ExpertParallelExperts] = []
+        for i, block in enumerate(blocks):
+            full = block.experts
+            hidden = full.gate_up_proj.shape[2]
+            with torch.device(full.gate_up_proj.device):
+                layer = ExpertParallelExperts(self.num_logical, self.num_physical, rank, world_size,
+                                              hidden, full.intermediate_size,
+                                              full.gate_up_proj.dtype, comm)
+            layer.set_mapping(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i])
+            layer.load_local_slots(full.gate_up_proj, full.down_proj)
+            block.experts = layer  # the full stack is dropped here
+            self.layers.append(layer)
+        self.hidden_size = hidden
+        self.dtype = self.layers[0].gate_up_proj.dtype
+        self.recorder = ExpertLoadRecorder(len(blocks), self.num_logical, self.num_physical,
+                                           eplb.window_size) if eplb else None
+        self.rebalancer = ExpertRebalancer(self.layers, placement,
+                                           num_groups=max(1, config.n_group), group=group)
+
+    @property
+    def placement(self):
+        return self.rebalancer.placement
+
+    def redundant_expert_bytes(self) -> int:
+        """Bytes the whole group spends on slots beyond one per logical expert."""
+        layer = self.layers[0]
+        return (self.num_physical - self.num_logical) * layer.expert_bytes() * len(self.layers)
+
+    @torch.inference_mode()
+    def run_empty_step(self) -> None:
+        for layer in self.layers:
+            layer.run_empty(self.hidden_size, self.dtype, self.top_k)
+
+    def end_step(self, force_rebalance: bool = False) -> RebalanceReport | None:
+        """After every group step (forward or empty): record loads; rebalance on schedule."""
+        self.num_steps += 1
+        loads = torch.stack([layer.take_slot_load() for layer in self.layers]).cpu().numpy()
+        if self.recorder is None:
+            return None
+        self.recorder.record(loads, self.placement.phy2log)
+        due = self.num_steps % self.eplb.step_interval == 0
+        return self.rebalance_now() if due or force_rebalance else None
+
+    def rebalance_now(self) -> RebalanceReport | None:
+        """Collective (every rank at the same point): plan from the window, move, switch."""
+        if self.recorder is None:
+            return None
+        report = self.rebalancer.rebalance(self.recorder.logical_loads(), self.num_steps)
+        if report is not None:
+            self.reports.append(report)
+            if self.rank == 0:
+                logger.info("EPLB step %d: balancedness %.3f -> %.3f (mean over %d layers), "
+                            "%d slots changed, %d bytes moved, %.1f ms", report.step,
+                            np.mean(report.balancedness_before), np.mean(report.balancedness_after),
+                            len(self.layers), report.num_moved_slots, report.moved_bytes,
+                            report.duration_s * 1e3)
+        return report

@@ -1,0 +1,120 @@
+"""EPLB rebalance step, run by every rank of an EP group at the same step (between steps):
+
+    window loads [layers, experts] ──all_reduce(sum)──▶ plan_placement (moe/eplb.py, pure)
+      ──▶ plan_expert_moves (only slots whose expert changes) ──▶ point-to-point weight
+      transfers (isend/irecv; local copies for experts the rank already holds)
+      ──▶ every layer switches to the new map
+
+All ranks plan from the same summed loads with the same deterministic planner, so they agree
+on the new layout and on every transfer without further messages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepinfer.moe.ep_experts import ExpertParallelExperts
+from deepinfer.moe.eplb import ExpertPlacement, plan_placement
+from deepinfer.moe.expert_moves import ExpertMove, plan_expert_moves
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RebalanceReport:
+    step: int
+    balancedness_before: list[float]  # per MoE layer: the window's loads on the old layout
+    balancedness_after: list[float]  # the same loads on the new layout
+    num_moved_slots: int  # slots whose expert changed (whole group)
+    moved_bytes: int  # expert bytes sent between ranks (whole group)
+    duration_s: float
+
+
+class ExpertRebalancer:
+    def __init__(self, layers: list[ExpertParallelExperts], placement: ExpertPlacement,
+                 num_groups: int = 1, num_nodes: int = 1, group=None) -> None:
+        self.layers = layers
+        self.placement = placement
+        self.num_groups = num_groups
+        self.num_nodes = num_nodes
+        self.group = group
+
+    def rebalance(self, local_loads: np.ndarray, step: int) -> RebalanceReport | None:
+        """Collective: `local_loads` [layers, experts] is this rank's window. None (and nothing
+        moved) when the group saw no load at all."""
+        start = time.perf_counter()
+        loads = torch.as_tensor(np.ascontiguousarray(local_loads), dtype=torch.long)
+        if dist.is_initialized():
+            loads = loads.to(self._comm_device())
+            dist.all_reduce(loads, group=self.group)
+        loads = loads.cpu().numpy()
+        if loads.sum() == 0:
+            return None
+        first = self.layers[0]
+        new = plan_placement(loads, first.num_physical, first.world_size, self.num_groups,
+                             self.num_nodes)
+        before = self.placement.balancedness(loads)
+        moves = plan_expert_moves(self.placement.phy2log, new.phy2log, first.slots_per_rank)
+        self._apply_moves(moves)
+        for i, layer in enumerate(self.layers):
+            layer.set_mapping(new.phy2log[i], new.log2phy[i], new.logcnt[i])
+        self.placement = new
+        moved_bytes = sum(first.expert_bytes() for m in moves if m.kind == "remote")
+        return RebalanceReport(step, before.tolist(), new.balancedness(loads).tolist(),
+                               len(moves), moved_bytes, time.perf_counter() - start)
+
+    def _comm_device(self) -> torch.device:
+        return self.layers[0].gate_up_proj.device
+
+    def _apply_moves(self, moves: list[ExpertMove]) -> None:
+        """Transfers first (sources read before anything is overwritten), then the writes."""
+        rank, per_rank = self.layers[0].rank, self.layers[0].slots_per_rank
+        ops, received = [], {}
+        for move in moves:
+            if move.kind != "remote":
+                continue
+            src, dst = move.source_slot // per_rank, move.slot // per_rank
+            layer = self.layers[move.layer]
+            if src == rank:
+                ops.append(dist.P2POp(dist.isend, _flat_expert(layer, move.source_slot - src * per_rank),
+                                      dst, self.group))
+            if dst == rank:
+                buf = torch.empty(_expert_numel(layer), dtype=layer.gate_up_proj.dtype,
+                                  device=layer.gate_up_proj.device)
+                ops.append(dist.P2POp(dist.irecv, buf, src, self.group))
+                received[(move.layer, move.slot)] = buf
+        # Local sources are read now, before any slot of this rank is overwritten.
+        local = {(m.layer, m.slot): _flat_expert(self.layers[m.layer], m.source_slot - rank * per_rank)
+                 for m in moves if m.kind == "local" and m.slot // per_rank == rank}
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        received.update(local)
+        for (layer_idx, slot), flat in received.items():
+            _write_expert(self.layers[layer_idx], slot - rank * per_rank, flat)
+        for m in moves:  # copies of an expert this rank received in this same move
+            if m.kind == "copy" and m.slot // per_rank == rank:
+                layer = self.layers[m.layer]
+                _write_expert(layer, m.slot - rank * per_rank,
+                              _flat_expert(layer, m.source_slot - rank * per_rank))
+
+
+def _expert_numel(layer: ExpertParallelExperts) -> int:
+    return layer.gate_up_proj[0].numel() + layer.down_proj[0].numel()
+
+
+def _flat_expert(layer: ExpertParallelExperts, local_slot: int) -> torch.Tensor:
+    """A fresh contiguous copy of one slot's weights [gate_up | down] (safe to send/keep)."""
+    return torch.cat([layer.gate_up_proj[local_slot].reshape(-1),
+                      layer.down_proj[local_slot].reshape(-1)])
+
+
+def _write_expert(layer: ExpertParallelExperts, local_slot: int, flat: torch.Tensor) -> None:
+    n = layer.gate_up_proj[0].numel()
+    layer.gate_up_proj[local_slot].copy_(flat[:n].view_as(layer.gate_up_proj[local_slot]))
+    layer.down_proj[local_slot].copy_(flat[n:].view_as(layer.down_proj[local_slot]))

@@ -1,0 +1,111 @@
+"""The expert-parallel MoE layer in one process (LocalDispatcher, one rank holding every slot):
+same outputs as MoEExperts with and without replicas, replicas share a hot expert's tokens,
+loads are counted per slot, and a rebalance moves weights without changing any output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from deepinfer.models.moe_config import MoEConfig
+from deepinfer.moe.dispatch import LocalDispatcher
+from deepinfer.moe.ep_experts import ExpertParallelExperts
+from deepinfer.moe.eplb import placement_from_phy2log
+from deepinfer.moe.eplb_config import EPLBConfig
+from deepinfer.moe.expert_parallel import ExpertParallelRuntime
+from deepinfer.moe.layer import MoEExperts, SparseMoEBlock
+
+E, H, I, K = 8, 16, 12, 2
+
+
+def full_experts(seed: int = 0) -> MoEExperts:
+    gen = torch.Generator().manual_seed(seed)
+    m = MoEExperts(E, H, I, torch.float32)
+    m.gate_up_proj.data = torch.randn(E, 2 * I, H, generator=gen) * 0.3
+    m.down_proj.data = torch.randn(E, H, I, generator=gen) * 0.3
+    return m
+
+
+def ep_layer(full: MoEExperts, phy2log: np.ndarray) -> ExpertParallelExperts:
+    num_physical = phy2log.shape[0]
+    layer = ExpertParallelExperts(E, num_physical, 0, 1, H, I, torch.float32,
+                                  LocalDispatcher(num_physical))
+    p = placement_from_phy2log(phy2log[None], E, 1)
+    layer.set_mapping(p.phy2log[0], p.log2phy[0], p.logcnt[0])
+    layer.load_local_slots(full.gate_up_proj, full.down_proj)
+    return layer
+
+
+def batch(num_tokens: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(num_tokens)])
+    return x, torch.rand(num_tokens, K, generator=gen), ids
+
+
+@pytest.mark.parametrize("phy2log", [np.arange(E), np.arange(E + 4) % E,
+                                     np.array([3, 3, 3, 0, 1, 2, 4, 5, 6, 7, 7, 1])])
+def test_matches_moe_experts_with_any_slot_layout(phy2log):
+    full = full_experts()
+    layer = ep_layer(full, phy2log)
+    x, w, ids = batch(9)
+    torch.testing.assert_close(layer(x, w, ids), full(x, w, ids), rtol=1e-5, atol=1e-6)
+    assert layer(x[:0], w[:0], ids[:0]).shape == (0, H)
+
+
+def test_replicas_share_a_hot_experts_tokens_and_loads_are_counted_per_slot():
+    full = full_experts()
+    layer = ep_layer(full, np.array([0, 1, 2, 3, 4, 5, 6, 7, 0, 0]))  # expert 0 on slots 0, 8, 9
+    x = torch.randn(30, H)
+    ids = torch.stack([torch.tensor([0, 1])] * 30)
+    layer(x, torch.ones(30, K), ids)
+    load = layer.take_slot_load().tolist()
+    assert load[0] == load[8] == load[9] == 10 and load[1] == 30 and sum(load) == 60
+    assert layer.take_slot_load().sum() == 0  # taken
+
+
+def tiny_moe_model() -> nn.Module:
+    config = MoEConfig(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(SparseMoEBlock(config, H, torch.float32) for _ in range(2))
+    for block in blocks:
+        block.gate.weight.data = torch.randn(E, H)
+        block.experts.gate_up_proj.data = torch.randn(E, 2 * I, H) * 0.3
+        block.experts.down_proj.data = torch.randn(E, H, I) * 0.3
+    return blocks
+
+
+def run(blocks: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = x + block(x)
+    return x
+
+
+def test_runtime_rebalance_moves_weights_and_keeps_outputs():
+    model = tiny_moe_model()
+    x = torch.randn(12, H)
+    want = run(model, x)
+    original = model[0].experts.gate_up_proj.clone()  # [E, 2I, H] before the swap
+    runtime = ExpertParallelRuntime(model, 0, 1, eplb=EPLBConfig(window_size=4, step_interval=2,
+                                                                  num_redundant_experts=4),
+                                    num_redundant_experts=4)
+    assert runtime.redundant_expert_bytes() == 4 * (3 * H * I * 4) * 2
+    torch.testing.assert_close(run(model, x), want, rtol=1e-5, atol=1e-5)
+    assert runtime.end_step() is None  # step 1: not due
+    runtime.run_empty_step()  # no tokens: nothing counted, nothing fails
+    report = runtime.end_step()  # step 2: due
+    assert report is not None and report.num_moved_slots > 0
+    assert min(report.balancedness_after) >= min(report.balancedness_before) - 1e-9
+    layer = runtime.layers[0]
+    assert np.array_equal(layer.phy2log, runtime.placement.phy2log[0])
+    for slot, expert in enumerate(layer.phy2log):  # every slot holds its new expert's weights
+        assert torch.equal(layer.gate_up_proj[slot], original[expert])
+    torch.testing.assert_close(run(model, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_checks_its_inputs():
+    with pytest.raises(ValueError, match="MoE"):
+        ExpertParallelRuntime(nn.Linear(2, 2), 0, 1)
+    with pytest.raises(ValueError, match="divide"):
+        ExpertParallelRuntime(tiny_moe_model(), 0, 3, num_redundant_experts=0)
