@@ -5,7 +5,9 @@ SIGKILLs and SIGSTOPs random workers of each role and corrupts shared-store bloc
             workers read each other's blocks from the `fs` store in a temp dir)
     faults: round robin over kill-prefill, stop-decode, corrupt-store, kill-decode,
             stop-prefill, corrupt-store ... every --fault-interval-s; a role is only hit while
-            all of its workers are routable (never the last one on purpose)
+            all of its workers are routable (never the last one on purpose). A SIGSTOP lasts
+            1 s to --max-stop-s: short ones go unnoticed, longer ones are suspended from
+            routing (missed heartbeats) and resumed, the longest are killed and restarted
 
 Reports requests sent / completed / failed with an error / hung (client timeout: must be 0),
 completed outputs equal to the offline `deepinfer.LLM` reference (fp32 greedy, computed first),
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -57,8 +60,9 @@ class Fault:
     worker_id: str | None = None
     role: str | None = None
     detail: str = ""
-    lost: bool | None = None  # stop: did the front declare the worker lost?
-    recovery_s: float | None = None  # fault -> routable again
+    left_routing: bool | None = None  # taken out of routing (lost, or suspended as hung)
+    lost: bool | None = None  # declared lost (killed and restarted)
+    recovery_s: float | None = None  # fault -> routable again (if it left routing)
 
 
 def build_prompts(num: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -157,32 +161,36 @@ class ChaosRun:
             self._background.append(asyncio.create_task(self.inject(fault)))
 
     async def inject(self, fault: Fault) -> None:
+        """Apply the fault, then watch the worker (every 0.1 s) until it is routable again
+        with a running process: `recovery_s` is the time from the fault until then, for faults
+        that took it out of routing."""
         pid = self.client.workers[fault.worker_id].proc.pid
         t0 = time.monotonic()
+        cont_at = None
         if fault.kind == "kill":
             os.kill(pid, signal.SIGKILL)
             fault.detail = f"SIGKILL pid {pid}"
         else:
-            pause = self.rng.uniform(1.0, 2.0 * self.args.heartbeat_timeout_s)
+            pause = self.rng.uniform(1.0, self.args.max_stop_s)
             os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(pause)
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # the front already killed it as hung
+            cont_at = t0 + pause
             fault.detail = f"SIGSTOP pid {pid} for {pause:.1f} s"
-        fault.lost = False
-        deadline = t0 + self.args.recovery_timeout_s
-        while time.monotonic() < deadline:
-            record = self._outage(fault.worker_id, t0)
-            if record is not None:
-                fault.lost = True
-                if record.readmitted_at is not None:
-                    fault.recovery_s = record.readmitted_at - t0
-                    return
-            elif fault.kind == "stop" and self.client.workers[fault.worker_id].alive \
-                    and self._proc_running(pid):
-                return  # resumed before the front noticed: it never left routing
+        fault.left_routing = fault.lost = False
+        while time.monotonic() < t0 + self.args.recovery_timeout_s:
+            now = time.monotonic()
+            if cont_at is not None and now >= cont_at:
+                cont_at = None
+                with contextlib.suppress(ProcessLookupError):  # killed as hung meanwhile
+                    os.kill(pid, signal.SIGCONT)
+            handle = self.client.workers[fault.worker_id]
+            fault.lost = fault.lost or self._outage(fault.worker_id, t0) is not None
+            if not handle.alive:
+                fault.left_routing = True
+            elif handle.proc.pid != pid or (fault.kind == "stop" and cont_at is None
+                                            and self._proc_running(pid)):
+                if fault.left_routing:
+                    fault.recovery_s = now - t0
+                return
             await asyncio.sleep(0.1)
 
     def _outage(self, worker_id: str, since: float):
@@ -315,11 +323,13 @@ def print_table(result: dict) -> None:
     print("| metric | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    print("\n| t (s) | fault | worker | detail | lost | routable again after (s) |\n|---|---|---|---|---|---|")
+    print("\n| t (s) | fault | worker | detail | left routing | restarted | routable again "
+          "after (s) |\n|---|---|---|---|---|---|---|")
+    yes_no = {None: "-", True: "yes", False: "no"}
     for f in result["faults"]:
         rec = "-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}"
         print(f"| {f['at_s']:.0f} | {f['kind']} | {f['worker_id'] or '-'} | {f['detail']} | "
-              f"{'-' if f['lost'] is None else f['lost']} | {rec} |")
+              f"{yes_no[f['left_routing']]} | {yes_no[f['lost']]} | {rec} |")
     if result["error_kinds"]:
         print("\nerrors:")
         for message, count in result["error_kinds"].items():
@@ -331,6 +341,7 @@ async def serve_and_run(args, engine: EngineConfig, prompts, references, params)
         cluster = ClusterConfig(
             num_prefill_workers=2, num_decode_workers=2, kv_store_url=f"fs://{tmp}",
             heartbeat_timeout_s=args.heartbeat_timeout_s, stall_timeout_s=args.stall_timeout_s,
+            hung_restart_after_s=args.hung_restart_after_s,
             transfer_timeout_s=10.0, restart_backoff_s=0.5)
         client = DisaggClient(engine, cluster)
         t0 = time.monotonic()
@@ -351,7 +362,12 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--fault-interval-s", type=float, default=15.0)
     p.add_argument("--corrupt-blocks", type=int, default=4, help="store files hit per corruption")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
+                   help="a silent worker is suspended from routing after this long")
+    p.add_argument("--hung-restart-after-s", type=float, default=6.0,
+                   help="a worker suspended this long is killed and restarted")
+    p.add_argument("--max-stop-s", type=float, default=15.0,
+                   help="SIGSTOP pauses last 1 s to this long (then SIGCONT)")
     p.add_argument("--stall-timeout-s", type=float, default=30.0)
     p.add_argument("--client-timeout-s", type=float, default=120.0)
     p.add_argument("--recovery-timeout-s", type=float, default=300.0,
