@@ -1,6 +1,6 @@
 """Disaggregated serving, P=2 prefill + D=2 decode worker processes over TCP on 127.0.0.1,
-with an `fs` shared prefix store. One cluster for the module; the fault tests kill workers
-and therefore run last (in file order)."""
+with an `fs` shared prefix store. One cluster for the module; the fault tests hang, stop and
+kill workers and therefore run last (in file order)."""
 from __future__ import annotations
 
 import os
@@ -29,9 +29,13 @@ def store_dir(tmp_path_factory):
 def cluster(store_dir):
     # Killed workers are detected by their process exiting; the heartbeat timeout only has to
     # avoid false alarms when this 2-core box is saturated by four workers plus the tests.
+    # A hung or stopped worker is suspended after 10 s and only declared lost (killed) after
+    # 120 s, so the tests can watch it come back; staged KV lives 600 s unless released, so a
+    # leak shows.
     harness = ClusterHarness(ClusterConfig(
         num_prefill_workers=2, num_decode_workers=2, kv_store_url=f"fs://{store_dir}",
         heartbeat_timeout_s=10.0, transfer_timeout_s=15.0, stall_timeout_s=60.0,
+        loop_stall_timeout_s=10.0, hung_restart_after_s=120.0, kv_stage_ttl_s=600.0,
         debug_transfer_delay_s=0.3))
     yield harness
     harness.close()
@@ -48,9 +52,10 @@ def reference(llm, prompts: list[list[int]], params: SamplingParams) -> list[lis
 
 
 def run_alone_on(cluster, worker_id: str, prompts: dict, params=GREEDY) -> dict:
-    """Route only to `worker_id` among prefill workers for these requests."""
-    router = cluster.client.prefill_router
-    others = [w for w in cluster.client.workers if w.startswith("prefill") and w != worker_id]
+    """Route only to `worker_id` among its role's workers for these requests."""
+    role = worker_id.split("-")[0]
+    router = cluster.client.prefill_router if role == "prefill" else cluster.client.decode_router
+    others = [w for w in cluster.client.workers if w.startswith(role) and w != worker_id]
     for w in others:
         router.remove_worker(w)
     try:
@@ -139,6 +144,83 @@ def check_no_hung_requests(results: dict) -> None:
         assert r["error"] is not None or r["finish"] in ("length", "stop"), (rid, r)
 
 
+def live_workers(cluster) -> list[str]:
+    return [w for w, h in cluster.client.workers.items() if h.alive]
+
+
+def test_a_worker_whose_engine_loop_hangs_leaves_routing_and_comes_back(
+        cluster, encode, engine_base_llm, tmp_path):
+    client = cluster.client
+    handle = client.workers["prefill-1"]
+    pid, retried = handle.proc.pid, client.num_retried
+    prompt = encode(_corpus_from(7))[:50]
+    release = tmp_path / "release-prefill-1"
+    try:
+        # prefill-1's loop hangs (its heartbeat thread keeps beating) right after taking the
+        # request: the request sits in its input queue.
+        cluster.run(client.hang_worker_loop("prefill-1", str(release)))
+        client.prefill_router.remove_worker("prefill-0")
+        future = cluster.submit_many({"hang-0": prompt}, GREEDY)
+        cluster.wait_for(lambda: (client.placements.get("hang-0") or [None])[0] == "prefill-1",
+                         what="hang-0 on prefill-1")
+        client.prefill_router.add_worker("prefill-0")
+        cluster.wait_for(lambda: not handle.alive, timeout=60, what="prefill-1 suspended")
+        assert "engine loop has not advanced" in handle.dead_reason
+        first = future.result(timeout=90)["hang-0"]  # retried on prefill-0
+        assert client.num_retried == retried + 1 and client.placements["hang-0"][0] == "prefill-0"
+        more = cluster.generate_many({f"hang-{i}": encode(_corpus_from(i))[:30 + i]
+                                      for i in range(1, 4)}, GREEDY)
+        assert {client.placements[r][0] for r in more} == {"prefill-0"}  # out of routing
+    finally:
+        client.prefill_router.add_worker("prefill-0")
+        release.touch()
+    cluster.wait_for(lambda: handle.alive, timeout=60, what="prefill-1 back in routing")
+    assert handle.proc.pid == pid  # the same process recovered: not killed, not replaced
+    again = run_alone_on(cluster, "prefill-1", {"hang-again": prompt})["hang-again"]
+    want = reference(engine_base_llm, [prompt], GREEDY)[0]
+    assert first["error"] is None and first["tokens"] == want
+    assert again["error"] is None and again["tokens"] == want
+    assert all(r["error"] is None for r in more.values())
+    # It read the abort sent when it was suspended: the moved request left nothing there.
+    cluster.wait_for(lambda: cluster.is_idle(live_workers(cluster)), timeout=30,
+                     what="every worker idle")
+
+
+def test_a_stopped_decode_worker_fails_its_requests_and_is_readmitted_after_sigcont(
+        cluster, encode, engine_base_llm):
+    client = cluster.client
+    handle = client.workers["decode-1"]
+    pid = handle.proc.pid
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    client.decode_router.remove_worker("decode-0")
+    future = cluster.submit_many({"stopped": encode(_corpus_from(8))[:40]}, long)
+    try:
+        cluster.wait_for(lambda: "stopped" in client._requests
+                         and client._requests["stopped"].num_tokens_streamed > 3,
+                         what="the request decoding on decode-1")
+        client.decode_router.add_worker("decode-0")
+        os.kill(pid, signal.SIGSTOP)
+        cluster.wait_for(lambda: not handle.alive, timeout=60, what="decode-1 suspended")
+        assert "missed heartbeats" in handle.dead_reason
+        lost = future.result(timeout=60)["stopped"]  # failed clearly, not hung
+        assert lost["error"] is not None and "decode-1" in lost["error"], lost
+        prompts = {f"stop-{i}": encode(_corpus_from(i))[:25 + i] for i in range(3)}
+        served = cluster.generate_many(prompts, GREEDY)
+        assert {client.placements[r][1] for r in prompts} == {"decode-0"}
+        want = reference(engine_base_llm, list(prompts.values()), GREEDY)
+        assert [served[r]["tokens"] for r in prompts] == want
+    finally:
+        client.decode_router.add_worker("decode-0")
+        os.kill(pid, signal.SIGCONT)
+    cluster.wait_for(lambda: handle.alive, timeout=60, what="decode-1 back in routing")
+    assert handle.proc.pid == pid and client.is_healthy
+    again = run_alone_on(cluster, "decode-1", {"after-stop": prompts["stop-0"]})["after-stop"]
+    assert again["error"] is None and again["tokens"] == want[0]
+    # The abort sent while it was stopped freed the failed request's blocks.
+    cluster.wait_for(lambda: cluster.is_idle(live_workers(cluster)), timeout=30,
+                     what="every worker idle")
+
+
 def test_killing_a_decode_worker_under_load(cluster, encode):
     prompts = {f"kd-{i}": encode(_corpus_from(i))[:40 + 8 * i] for i in range(6)}
     future = cluster.submit_many(prompts, SamplingParams(temperature=0, max_tokens=60,
@@ -159,17 +241,28 @@ def test_killing_a_decode_worker_under_load(cluster, encode):
     assert again["error"] is None and cluster.client.placements["after-kd"][1] == "decode-0"
 
 
-def test_killing_a_prefill_worker_under_load(cluster, encode):
+def test_killing_a_prefill_worker_under_load(cluster, encode, engine_base_llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = {f"kp-{i}": encode(_corpus_from(i + 2))[:120 + 16 * i] for i in range(6)}
+    want = dict(zip(prompts, reference(engine_base_llm, list(prompts.values()), params)))
     retried = cluster.client.num_retried
-    future = cluster.submit_many(prompts, SamplingParams(temperature=0, max_tokens=8,
-                                                         ignore_eos=True))
+    future = cluster.submit_many(prompts, params)
     cluster.wait_for(lambda: any((cluster.client.placements.get(r) or [None])[0] == "prefill-0"
                                  for r in prompts), what="a request on prefill-0")
     os.kill(cluster.client.workers["prefill-0"].proc.pid, signal.SIGKILL)
-    results = future.result(timeout=90)
+    results = future.result(timeout=90)  # none hangs
     check_no_hung_requests(results)
+    # Every request either completed with exactly the colocated engine's tokens, or failed
+    # with an error naming the lost worker (its first token was streamed before the kill).
+    for rid, r in results.items():
+        if r["error"] is None:
+            assert r["tokens"] == want[rid], rid
+        else:
+            assert "prefill-0" in r["error"] and "was lost" in r["error"], (rid, r)
     assert cluster.client.num_retried > retried  # unstreamed requests moved to prefill-1
     assert sum(1 for r in results.values() if r["error"] is None) >= 1
-    cluster.wait_for(lambda: cluster.is_idle(["prefill-1", "decode-0"]), timeout=20,
-                     what="survivors idle")
+    # No KV left anywhere: nothing staged, no blocks in use, no transfer pending on any live
+    # worker (including a replacement the supervisor may have started meanwhile).
+    cluster.wait_for(lambda: cluster.is_idle(live_workers(cluster)), timeout=30,
+                     what="every live worker idle")
+    assert {"prefill-1", "decode-0"} <= set(live_workers(cluster))
