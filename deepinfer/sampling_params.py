@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
+MIN_TOP_P = 1e-7  # smaller top_p keeps just the top token, as this does
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +39,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        # Below these the float32 sampler would divide into inf/nan; the results are the same
+        # as greedy / keeping only the top token, so map them there (as vLLM does).
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, MIN_TOP_P)
 
     def _validate(self) -> None:
         checks = [

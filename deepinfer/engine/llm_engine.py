@@ -96,6 +96,7 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        self._validate_stop_token_ids(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
@@ -135,6 +136,13 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context "
                              f"length is {self.max_model_len} tokens")
         return ids
+
+    def _validate_stop_token_ids(self, params: SamplingParams) -> None:
+        # min_tokens masks these ids in the logits: an id outside the vocabulary would crash
+        # the whole engine step, not just this request.
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt
