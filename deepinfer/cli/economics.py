@@ -46,8 +46,9 @@ def register(sub) -> None:
     f = p.add_argument_group("fleet")
     f.add_argument("--accelerators", type=float, default=None)
     f.add_argument("--nodes", type=float, default=None, help="with --gpus-per-node")
-    f.add_argument("--gpus-per-node", type=int, default=8)
-    f.add_argument("--accelerator-hour-cost", type=float, default=2.0, help="$ per GPU-hour")
+    f.add_argument("--gpus-per-node", type=int, default=None, help="default 8")
+    f.add_argument("--accelerator-hour-cost", type=float, default=None,
+                   help="$ per GPU-hour (default 2)")
     f.add_argument("--capex-per-accelerator", type=float, default=None,
                    help="$ purchase price per GPU (payback days)")
     s = p.add_argument_group("prices ($ per million tokens)")
@@ -102,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer.cli.main import CLIError
     from deepinfer.sim.economics import Fleet, PriceSheet, economics, format_report
 
-    if args.preset:
-        for key, value in PRESETS[args.preset].items():
-            if getattr(args, key, None) in (None, 8, 2.0):
-                setattr(args, key, value)
+    preset = PRESETS.get(args.preset, {})
+    for key, default in (*preset.items(), ("gpus_per_node", 8), ("accelerator_hour_cost", 2.0)):
+        if getattr(args, key) is None:  # flags given on the command line win over the preset
+            setattr(args, key, default)
     try:
         found = []
         volume = _volume(args, found)
