@@ -335,7 +335,7 @@ class DataParallelClient:
     async def _on_group_lost(self, group: GroupHandle, incarnation: int, reason: str) -> None:
         if group.incarnation != incarnation or not group.healthy or self._closing:
             return
-        message = f"data-parallel group {group.index} lost: {reason}"
+        message = f"data-parallel group {group.index} lost: {_root_cause(group) or reason}"
         if self.policy.max_restarts > 0:
             message += "; restarting it"
         logger.error(message)
@@ -357,3 +357,12 @@ class DataParallelClient:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 1.0
+
+
+def _root_cause(group: GroupHandle) -> str | None:
+    """A rank killed by a signal explains its peers' failed collectives better than they do."""
+    for handle in group.ranks:
+        code = handle.proc.exitcode  # None while running (and for a stopped process)
+        if code is not None and code < 0:
+            return f"rank {handle.rank} {exit_message(code)}"
+    return None
