@@ -52,3 +52,17 @@ def test_p1_d1_greedy_equals_colocated_engine(server, engine_base_llm):
     samples = scrape_metrics(server.url)
     assert any(k.startswith("deepinfer:cluster_") for k in samples), "per-worker metrics missing"
     assert metric(samples, "deepinfer:generation_tokens_total") >= 3 * 16
+
+
+def test_prompt_larger_than_the_decode_cache_is_a_400_not_a_wait(server):
+    # The workers hold 256 blocks of 16 tokens; the model's context is longer than that.
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    model = client.models.list().data[0].id
+    prompt = [1000 + i % 1000 for i in range(256 * 16 + 10)]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=prompt, max_tokens=4)
+    assert "decode worker's whole KV cache holds 4096 tokens" in str(info.value)
+    # The server still serves.
+    ok = client.completions.create(model=model, prompt=prompt[:20], max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
