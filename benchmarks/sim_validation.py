@@ -121,8 +121,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
     args = parser.parse_args()
 
-    profile = args.profile or str(Path(args.out).with_name("sim_validation_profile.json"))
-    profile_after = str(Path(args.out).with_name("sim_validation_profile_after.json"))
+    stem = Path(args.out).stem
+    profile = args.profile or str(Path(args.out).with_name(f"{stem}_profile.json"))
+    profile_after = str(Path(args.out).with_name(f"{stem}_profile_after.json"))
     if args.profile is None:
         print(f"measuring a {args.grid} profile (1 thread) ...", flush=True)
         measure_profile(profile, args.grid)
@@ -140,7 +141,7 @@ def main() -> None:
                                    "--kv-store", f"fs://{store_dir}"],
                         {"prefill": {"workers": 2}, "decode": {"workers": 2}}),
     }
-    report = {"profile": profile, "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),
+    report = {"profile": profile, "grid": args.grid, "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),
               "cases": {}}
     try:
         for name in args.cases.split(","):
