@@ -41,9 +41,7 @@ class DisaggDecodeEngine(LLMEngine):
             return None
         metrics = RequestMetrics(arrival_time)
         state = RequestState(request_id, list(prompt_token_ids), params, metrics)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                       params.skip_special_tokens, params.stop,
-                                       params.include_stop_str_in_output)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params)
         detok.add_tokens([first_token_id])
         output = CompletionOutput(0, detok.text, [first_token_id],
                                   logprobs=[] if params.logprobs is not None else None,

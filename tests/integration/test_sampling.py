@@ -252,21 +252,16 @@ def test_seeded_sampling_is_equal_alone_batched_and_preempted(engine_base_llm, m
     assert batched[0][0] != batched[0][1], "n=2 children drew one sequence"
 
 
-def test_seeded_sampling_continues_across_the_prefill_decode_handoff(engine_base_llm,
-                                                                     make_engine_llm):
+def run_handoff(engine_base_llm, make_engine_llm, prompt: list[int], params: SamplingParams):
     """In process, as the disaggregated workers do it: a prefill engine samples the first
     token and hands its prompt KV to a `DisaggDecodeEngine` (with another engine seed), which
-    continues at output position 1 and must produce the colocated tokens."""
+    continues at output position 1. Returns the decode side's final output."""
     import time
 
     from deepinfer.cluster.decode_engine import DisaggDecodeEngine
     from deepinfer.engine.engine_config import EngineConfig
 
     base = engine_base_llm.engine
-    prompt = base.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
-    params = sampled(77, max_tokens=16)
-    colocated = generate_checked(engine_base_llm, token_prompts([prompt]), params)[0].outputs[0]
-
     prefill = make_engine_llm(seed=5).engine
     prefill.add_request("h", prompt, params)
     first = []
@@ -291,5 +286,28 @@ def test_seeded_sampling_continues_across_the_prefill_decode_handoff(engine_base
         if final is not None:
             break
     assert final is not None, "the decode engine did not finish the request"
-    assert list(final.outputs[0].token_ids) == list(colocated.token_ids)
-    assert final.outputs[0].text == colocated.text
+    return final.outputs[0]
+
+
+def test_seeded_sampling_continues_across_the_prefill_decode_handoff(engine_base_llm,
+                                                                     make_engine_llm):
+    """The decode side must produce the colocated tokens: noise at position i is (seed, i)."""
+    prompt = engine_base_llm.engine.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
+    params = sampled(77, max_tokens=16)
+    colocated = generate_checked(engine_base_llm, token_prompts([prompt]), params)[0].outputs[0]
+    handed = run_handoff(engine_base_llm, make_engine_llm, prompt, params)
+    assert list(handed.token_ids) == list(colocated.token_ids)
+    assert handed.text == colocated.text
+
+
+def test_stop_string_waits_for_min_tokens_after_the_handoff(engine_base_llm, make_engine_llm,
+                                                            continuation):
+    """The decode worker's detokenizer applies vLLM's min_tokens rule to stop strings too."""
+    text = continuation.text
+    stop = " " + text.split()[4]
+    assert text.count(stop) == 1, f"precondition: {stop!r} must occur once in {text!r}"
+    prompt = engine_base_llm.engine.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
+    params = greedy(32, ignore_eos=True, stop=[stop], min_tokens=32)
+    handed = run_handoff(engine_base_llm, make_engine_llm, prompt, params)
+    assert handed.finish_reason == "length" and handed.stop_reason is None
+    assert list(handed.token_ids) == list(continuation.token_ids) and handed.text == text
