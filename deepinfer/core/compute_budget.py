@@ -5,7 +5,9 @@ The scheduler fills a step with running decodes first, then prefill chunks, aski
 
 * a decode (one new token) always fits — a step must serve its running decodes — and is charged;
   the scheduler asks for decodes before prefill chunks (a one-token request asked for after a
-  prefill chunk is budgeted like any chunk);
+  prefill chunk is budgeted like any chunk); a decode with draft tokens to verify
+  (`decode=True`) gets its own token the same way and as many drafts as the time left allows
+  (no block alignment), and does not count as a prefill chunk;
 * a prefill chunk gets the largest x whose added predicted time keeps the step within
   `step_time_budget_s` (the attention term makes that a quadratic in x; see
   `StepCostEstimate.max_new_tokens_within`), so x shrinks as the request's context P grows;
@@ -45,7 +47,7 @@ class ComputeAwareBudget:
     def predicted_time_s(self) -> float:
         return self._estimate.predicted_time_s * self.time_scale
 
-    def fit_chunk(self, context_len: int, num_tokens: int) -> int:
+    def fit_chunk(self, context_len: int, num_tokens: int, *, decode: bool = False) -> int:
         if num_tokens <= 0:
             return 0
         if num_tokens == 1 and self.num_prefill_chunks == 0:
@@ -55,17 +57,19 @@ class ComputeAwareBudget:
             cap = min(cap, max(0, self.remaining_tokens))
         time_left = self._model_budget_s - self._estimate.predicted_time_s
         x = self._estimate.max_new_tokens_within(context_len, cap, time_left)
+        if decode:  # verification: the decode's own token as above, then what fits
+            return max(x, 1) if self.num_prefill_chunks == 0 else x
         x = self._align_end(context_len, x, num_tokens)
         if self.num_prefill_chunks == 0 and cap > 0:
             least = min(self.min_chunk_tokens, cap)
             x = max(x, self._align_end(context_len, least, num_tokens) or least)
         return x
 
-    def consume(self, context_len: int, num_tokens: int) -> None:
+    def consume(self, context_len: int, num_tokens: int, *, decode: bool = False) -> None:
         if num_tokens <= 0:
             return
         self._estimate.add(context_len, num_tokens)
-        if num_tokens > 1:
+        if num_tokens > 1 and not decode:
             self.num_prefill_chunks += 1
         if self.remaining_tokens is not None:
             self.remaining_tokens -= num_tokens

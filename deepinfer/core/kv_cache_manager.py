@@ -5,6 +5,10 @@ num_new_tokens` tokens and returns True, or changes nothing and returns False. F
 registered in the prefix cache as soon as they are allocated for tokens being computed: the
 runner writes every layer's new KV before any attention reads it, so a block scheduled in the
 same step by another request is already valid when read.
+
+Speculative decoding: `num_lookahead_tokens` slots past the computed tokens are allocated too
+(a drafter writes its KV there) but never registered, and only blocks full of a request's
+known (accepted) tokens are ever hashed; `trim` frees blocks past the accepted tokens.
 """
 from __future__ import annotations
 
@@ -133,7 +137,7 @@ class KVCacheManager:
         self.num_prefix_hits += num_hit_tokens
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
-                          hit: PrefixHit | None = None) -> int:
+                          hit: PrefixHit | None = None, num_lookahead_tokens: int = 0) -> int:
         """New blocks `allocate_slots` would pop from the free queue (cache-hit blocks that
         sit in the free queue count too, since referencing them removes them)."""
         have = len(self.req_blocks.get(request.request_id, ()))
@@ -143,14 +147,17 @@ class KVCacheManager:
             have += len(hit.blocks)
             computed = hit.num_tokens
             reuse_free = sum(1 for b in hit.blocks if b.ref_cnt == 0)
-        total = -(-(computed + num_new_tokens) // self.block_size)
+        total = -(-(computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
         return max(0, total - have) + reuse_free
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       hit: PrefixHit | None = None, cache_blocks: bool = True) -> bool:
+                       hit: PrefixHit | None = None, cache_blocks: bool = True,
+                       num_lookahead_tokens: int = 0) -> bool:
         """`cache_blocks=False` registers no block in the prefix cache (KV that arrives later
-        over a transfer must not be found by another request before it is written)."""
-        if self.num_blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
+        over a transfer must not be found by another request before it is written).
+        `num_lookahead_tokens`: extra slots after the new tokens, never registered."""
+        if self.num_blocks_needed(request, num_new_tokens, hit,
+                                  num_lookahead_tokens) > self.pool.num_free_blocks:
             return False
         table = self.req_blocks.setdefault(request.request_id, [])
         self._num_hashed_blocks.setdefault(request.request_id, 0)
@@ -162,7 +169,7 @@ class KVCacheManager:
             computed = hit.num_tokens
         else:
             computed = request.num_computed_tokens
-        total = -(-(computed + num_new_tokens) // self.block_size)
+        total = -(-(computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
         if total > len(table):
             table.extend(self.pool.allocate(total - len(table)))
         if cache_blocks:
@@ -183,6 +190,21 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_hashed_blocks[request.request_id] = max(start, end)
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the request's blocks past its first `num_tokens` slots (they held rejected
+        draft tokens or lookahead KV, and were never registered); returns how many."""
+        table = self.req_blocks.get(request.request_id)
+        if not table:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(table):
+            return 0
+        assert keep >= self._num_hashed_blocks[request.request_id], "trimming a cached block"
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
 
     def free(self, request: Request) -> None:
         table = self.req_blocks.pop(request.request_id, None)

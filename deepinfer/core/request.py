@@ -46,6 +46,9 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_token_id: int | None = None  # the token that stopped it, if any
+    # Speculative decoding: draft tokens proposed after the last step, verified in the next
+    # one. Never part of `all_token_ids` (so never hashed into the prefix cache).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

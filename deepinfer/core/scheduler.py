@@ -5,6 +5,13 @@ its next chunk), then waiting requests while the budget, `max_num_seqs` and the 
 When a running request cannot get a block, the most recently admitted running request is
 preempted (its blocks freed; it is recomputed later, usually hitting the prefix cache).
 `schedule(now)` returns a data-only SchedulerOutput; `update(output, result)` applies the step.
+
+Speculative decoding: a running decode with draft tokens (`Request.spec_token_ids`, set by
+`set_draft_tokens` between steps) is scheduled as one verification of 1 + k tokens, charged
+to the budget like any tokens (its first token always served, as a decode). `update` appends
+the accepted drafts and the target's own token, checking stops token by token, and steps
+`num_computed_tokens` back over the rejected ones; their blocks are freed (`kv.trim`) before
+the request's next allocation. Only known tokens are ever hashed into the prefix cache.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from dataclasses import dataclass, field
 from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.request import Request, RequestStatus
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from deepinfer.core.spec_decode_stats import SpecDecodeStats
 from deepinfer.core.step_budget import StepBudget, StepBudgetPolicy
 
 
@@ -22,10 +30,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # KV slots allocated past a sampling chunk for a drafter model to write its own KV into
+    # (speculative decoding with draft_model / mtp); best effort, never a reason to preempt.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs must be >= 1 and max_model_len >= 2")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError("num_lookahead_tokens must be >= 0")
 
 
 @dataclass
@@ -46,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         self._finished_ids: list[str] = []  # to tell the runner on the next step
         self._finished_outside_update: list[Request] = []  # reported by the next update()
         # Disaggregated decode: requests whose blocks are allocated while their prompt KV
@@ -146,11 +160,11 @@ class Scheduler:
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = request.num_tokens - request.num_computed_tokens
-            num_new = budget.fit_chunk(request.num_computed_tokens, num_new)
+            num_new = self._fit_running(budget, request)
             if num_new == 0:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            self.kv.trim(request, request.num_computed_tokens)  # blocks of rejected drafts
+            while not self._allocate(request, num_new):
                 # Preempt strictly by admission order (newest first), even if the victim was
                 # already scheduled this step: then it is unscheduled and the budget replayed.
                 victim = self.running[-1]
@@ -161,10 +175,9 @@ class Scheduler:
                 if any(r is victim for r, _ in scheduled):
                     scheduled = [(r, n) for r, n in scheduled if r is not victim]
                     budget = self._replay_budget(scheduled)
-                    num_new = budget.fit_chunk(request.num_computed_tokens,
-                                               request.num_tokens - request.num_computed_tokens)
+                    num_new = self._fit_running(budget, request)
             else:
-                budget.consume(request.num_computed_tokens, num_new)
+                self._consume(budget, request, num_new)
                 scheduled.append((request, num_new))
 
         if not preempted:
@@ -183,8 +196,39 @@ class Scheduler:
     def _replay_budget(self, scheduled: list[tuple[Request, int]]) -> StepBudget:
         budget = self.budget_policy.new_step()
         for request, num_new in scheduled:
-            budget.consume(request.num_computed_tokens, num_new)
+            self._consume(budget, request, num_new)
         return budget
+
+    @staticmethod
+    def _is_verification(request: Request) -> bool:
+        return bool(request.spec_token_ids) and request.num_tokens - request.num_computed_tokens == 1
+
+    def _fit_running(self, budget: StepBudget, request: Request) -> int:
+        """Tokens of a running request that fit: its next chunk, or its last token plus as
+        many of its draft tokens as the budget allows."""
+        if not self._is_verification(request):
+            return budget.fit_chunk(request.num_computed_tokens,
+                                    request.num_tokens - request.num_computed_tokens)
+        return budget.fit_chunk(request.num_computed_tokens, 1 + len(request.spec_token_ids),
+                                decode=True)
+
+    def _consume(self, budget: StepBudget, request: Request, num_new: int) -> None:
+        if num_new > 1 and self._is_verification(request):
+            budget.consume(request.num_computed_tokens, num_new, decode=True)
+        else:
+            budget.consume(request.num_computed_tokens, num_new)
+
+    def _allocate(self, request: Request, num_new: int, hit=None) -> bool:
+        """allocate_slots, with lookahead slots when the chunk samples and they fit."""
+        end = request.num_computed_tokens if hit is None else hit.num_tokens
+        end += num_new
+        lookahead = 0
+        if end >= request.num_tokens:
+            lookahead = min(self.config.num_lookahead_tokens, self.config.max_model_len - end)
+        if lookahead > 0 and self.kv.allocate_slots(request, num_new, hit,
+                                                    num_lookahead_tokens=lookahead):
+            return True
+        return self.kv.allocate_slots(request, num_new, hit)
 
     def _schedule_waiting(self, budget: StepBudget, scheduled: list[tuple[Request, int]]) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -200,7 +244,7 @@ class Scheduler:
             if num_new == 0:
                 break
             request.num_computed_tokens = num_computed  # 0 unless the cache hit
-            if not self.kv.allocate_slots(request, num_new, hit):
+            if not self._allocate(request, num_new, hit):
                 request.num_computed_tokens = 0
                 if not self.running and not self.transferring:
                     # Every block is free or evictable and it still does not fit: it never will.
@@ -220,22 +264,46 @@ class Scheduler:
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        num_known = min(num_new, request.num_tokens - start)
+        num_drafts = num_new - num_known  # > 0 only for a verification
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=request.all_token_ids[start:start + num_known]
+            + request.spec_token_ids[:num_drafts],
             num_computed_tokens=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_known == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             eos_token_ids=request.eos_token_ids,
+            num_draft_tokens=num_drafts,
         )
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def max_num_drafts(self, request: Request) -> int:
+        """Draft tokens worth verifying for `request` next step: the verification's positions
+        stay inside max_model_len, and it emits at most the tokens max_tokens still allows."""
+        room = self.config.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, room)
+
+    def set_draft_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Draft tokens to verify when `request_id` next runs (cut to `max_num_drafts`);
+        ignored unless it is a running decode."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING \
+                or request.num_tokens - request.num_computed_tokens != 1:
+            return
+        request.spec_token_ids = list(token_ids[:self.max_num_drafts(request)])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -253,15 +321,35 @@ class Scheduler:
             request.num_computed_tokens += sched.num_new_tokens
             if not sched.sample:
                 continue
-            token_id = result.sampled_token_ids[sched.request_id]
-            request.append_output_token(token_id)
-            update.new_token_ids[sched.request_id] = [token_id]
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                update.finished.append(request)
+            request.spec_token_ids = []  # verified now, or not scheduled: stale either way
+            token_ids = self._step_tokens(sched, result)
+            request.num_computed_tokens -= sched.num_draft_tokens - (len(token_ids) - 1)
+            new_ids = update.new_token_ids[sched.request_id] = []
+            for token_id in token_ids:  # stops apply token by token, as without drafts
+                request.append_output_token(token_id)
+                new_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    update.finished.append(request)
+                    break
         return update
+
+    def _step_tokens(self, sched: ScheduledRequest, result: StepResult) -> list[int]:
+        """The tokens a sampling request emits this step: its accepted drafts, then the
+        target's own token (just that token without drafts)."""
+        token_ids = result.verified_token_ids.get(sched.request_id)
+        if token_ids is None:
+            token_ids = [result.sampled_token_ids[sched.request_id]]
+        num_accepted = len(token_ids) - 1
+        if not 0 <= num_accepted <= sched.num_draft_tokens or \
+                token_ids[:num_accepted] != sched.draft_token_ids[:num_accepted]:
+            raise ValueError(f"request {sched.request_id!r}: verified tokens {token_ids} do not "
+                             f"start with its drafts {sched.draft_token_ids}")
+        if sched.num_draft_tokens:
+            self.spec_stats.observe(sched.num_draft_tokens, num_accepted)
+        return token_ids
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -292,8 +380,12 @@ class Scheduler:
             assert request.request_id in self.kv.req_blocks
             table = self.kv.req_blocks[request.request_id]
             assert len(table) * self.kv.block_size >= request.num_computed_tokens
+            if request.spec_token_ids:  # drafts follow the one known, uncomputed token
+                assert request.num_tokens - request.num_computed_tokens == 1
+                assert len(request.spec_token_ids) <= self.max_num_drafts(request)
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not request.spec_token_ids
             assert request.request_id not in self.kv.req_blocks
         for request_id in self.transferring:
             assert request_id in self.kv.req_blocks and request_id not in self.requests

@@ -10,7 +10,11 @@ from deepinfer.sampling_params import SamplingParams
 class ScheduledRequest:
     """Work for one request in one step: compute KV for `token_ids` at positions
     [num_computed_tokens, num_computed_tokens + len(token_ids)); sample a token afterwards
-    iff `sample` (the chunk reaches the end of the known tokens)."""
+    iff `sample` (the chunk reaches the end of the known tokens).
+
+    Speculative decoding: the last `num_draft_tokens` of `token_ids` are draft tokens (not yet
+    part of the request) after its last known token; the runner verifies them and samples
+    from every one of the 1 + num_draft_tokens positions."""
 
     request_id: str
     token_ids: list[int]
@@ -20,10 +24,15 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far (for min_tokens / seeds)
     eos_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def context_len(self) -> int:
@@ -56,8 +65,14 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    """What the runner returns for one SchedulerOutput."""
+    """What the runner returns for one SchedulerOutput.
+
+    A request that verified draft tokens is in `verified_token_ids` instead of
+    `sampled_token_ids`: its accepted drafts, then the token the target sampled after them
+    (a correction or a bonus token), with their log-probs in `verified_logprobs`."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     step_time_s: float = 0.0
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 The scheduler asks a `StepBudgetPolicy` for a fresh `StepBudget` every step, then for each
 request asks `fit_chunk(context_len, num_tokens)` (how many of the request's next tokens fit,
 given `context_len` tokens already in its KV cache) and calls `consume` with what it took.
+A decode with draft tokens to verify is asked for with `decode=True` (only then).
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Protocol
 
 
 class StepBudget(Protocol):
-    def fit_chunk(self, context_len: int, num_tokens: int) -> int:
-        """Largest x <= num_tokens that still fits in this step (0 if none)."""
+    def fit_chunk(self, context_len: int, num_tokens: int, *, decode: bool = False) -> int:
+        """Largest x <= num_tokens that still fits in this step (0 if none). `decode`: a
+        decode's token followed by num_tokens - 1 draft tokens (speculative decoding)."""
 
-    def consume(self, context_len: int, num_tokens: int) -> None:
+    def consume(self, context_len: int, num_tokens: int, *, decode: bool = False) -> None:
         """Record that `num_tokens` new tokens after `context_len` were scheduled."""
 
     @property
@@ -36,10 +38,10 @@ class TokenBudget:
     def __init__(self, max_num_batched_tokens: int) -> None:
         self.remaining = max_num_batched_tokens
 
-    def fit_chunk(self, context_len: int, num_tokens: int) -> int:
+    def fit_chunk(self, context_len: int, num_tokens: int, *, decode: bool = False) -> int:
         return max(0, min(num_tokens, self.remaining))
 
-    def consume(self, context_len: int, num_tokens: int) -> None:
+    def consume(self, context_len: int, num_tokens: int, *, decode: bool = False) -> None:
         self.remaining -= num_tokens
 
     @property

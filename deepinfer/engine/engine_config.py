@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("bfloat16", "float32", "float16")
 _SCHEDULERS = ("token-budget", "compute-aware")
@@ -26,6 +27,8 @@ class EngineConfig:
     cost_profile: str | None = None
     seed: int = 0
     served_model_name: str | None = None
+    # deepinfer.spec.spec_config.SpeculativeConfig, or its dict / JSON form (vLLM's shape)
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -41,3 +44,6 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
         if self.step_time_budget_ms is not None and self.step_time_budget_ms <= 0:
             raise ValueError("step_time_budget_ms must be positive")
+        from deepinfer.spec.spec_config import SpeculativeConfig
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))

@@ -61,9 +61,16 @@ class LLMEngine:
                     num_blocks, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        spec_config = config.speculative_config
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
+                            num_lookahead_tokens=spec_config.num_lookahead_tokens
+                            if spec_config else 0),
             kv_manager, self._build_budget_policy())
+        self.speculator = None  # speculative decoding: drafts after every step
+        if spec_config is not None:
+            from deepinfer.spec.speculator import build_speculator
+            self.speculator = build_speculator(spec_config, self)
         eos = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -203,7 +210,10 @@ class LLMEngine:
             self._num_predicted_steps += 1
             logger.debug("step %d: predicted %.2f ms, measured %.2f ms", self._num_steps,
                          sched_out.predicted_step_time_s * 1e3, result.step_time_s * 1e3)
-        return self._process(update, result, time.monotonic())
+        outputs = self._process(update, result, time.monotonic())
+        if self.speculator is not None:
+            self.speculator.propose(sched_out)  # drafts for the next step
+        return outputs
 
     def _process(self, update: SchedulerUpdate, result: StepResult, now: float) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
@@ -213,20 +223,7 @@ class LLMEngine:
             if state is None:
                 continue
             seq = state.sequences[child_id]
-            seq.output.token_ids.extend(token_ids)
-            lp = result.logprobs.get(child_id)
-            if lp is not None and seq.output.logprobs is not None:
-                seq.output.logprobs.append(lp)
-                seq.output.cumulative_logprob += lp.logprob
-            # A sequence ending here flushes held-back text; a stop token's text is left out.
-            end = ended.get(child_id)
-            stop = seq.detokenizer.add_tokens(
-                token_ids, final=end is not None,
-                stop_token=end is not None and end.stop_token_id is not None)
-            seq.output.text = seq.detokenizer.text
-            if stop is not None and seq.output.finish_reason is None:
-                self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
-                seq.output.finish_reason, seq.output.stop_reason = "stop", stop
+            self._append_tokens(child_id, seq, token_ids, result, ended.get(child_id))
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
@@ -250,6 +247,31 @@ class LLMEngine:
             outputs.append(state.to_output())
         return outputs
 
+    def _append_tokens(self, child_id: str, seq, token_ids: list[int], result: StepResult,
+                       end: Request | None) -> None:
+        """Append one step's tokens (several when drafts were accepted) one at a time, as if
+        each came from its own step, so stop strings and text cut exactly where they would
+        without speculation; tokens after a stop string are dropped."""
+        logprobs = result.verified_logprobs.get(child_id)
+        if logprobs is None:
+            lp = result.logprobs.get(child_id)
+            logprobs = [] if lp is None else [lp]
+        for i, token_id in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            seq.output.token_ids.append(token_id)
+            if i < len(logprobs) and seq.output.logprobs is not None:
+                seq.output.logprobs.append(logprobs[i])
+                seq.output.cumulative_logprob += logprobs[i].logprob
+            # A sequence ending here flushes held-back text; a stop token's text is left out.
+            stop = seq.detokenizer.add_tokens(
+                [token_id], final=last and end is not None,
+                stop_token=last and end is not None and end.stop_token_id is not None)
+            seq.output.text = seq.detokenizer.text
+            if stop is not None and seq.output.finish_reason is None:
+                self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
+                seq.output.finish_reason, seq.output.stop_reason = "stop", stop
+                return
+
     def _release(self, state: RequestState) -> None:
         self._states.pop(state.request_id, None)
         for child_id in state.sequences:
@@ -266,4 +288,9 @@ class LLMEngine:
             num_steps=self._num_steps, step_time_s=self._last_step_time,
             predicted_step_time_s=self._last_predicted,
             prediction_abs_error_sum=self._prediction_abs_error_sum,
-            num_predicted_steps=self._num_predicted_steps)
+            num_predicted_steps=self._num_predicted_steps,
+            spec_decode_num_drafts=self.scheduler.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.scheduler.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.scheduler.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(
+                self.scheduler.spec_stats.num_accepted_tokens_per_pos))

@@ -60,3 +60,15 @@ class EngineStats:
     prediction_abs_error_sum: float = 0.0
     num_predicted_steps: int = 0
     extra: dict = field(default_factory=dict)
+    # Speculative decoding (vLLM's spec_decode_* counters; see core.spec_decode_stats)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verification: 1 + accepted / drafts (None before any)."""
+        if not self.spec_decode_num_drafts:
+            return None
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts

@@ -112,3 +112,80 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.model = DeepseekV3Model(config, dtype)
         self._init_lm_head(config, dtype)
         self.requires_grad_(False)
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """One multi-token-prediction module (DeepSeek-V3 §2.2): at position p it combines the
+    previous depth's hidden state h_p with the embedding of token t_{p+1},
+
+        h' = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)]),   then a full decoder block,
+
+    and predicts t_{p+2} through `shared_head` (norm + head). Checkpoint names are the
+    decoder layer's plus `enorm`, `hnorm`, `eh_proj`, `embed_tokens`, `shared_head.{norm,head}`
+    under `model.layers.{num_hidden_layers + i}.`. Its attention uses layer 0 of its own cache.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__(config, config.num_hidden_layers, dtype)  # MoE / dense as that layer
+        self.self_attn.layer_idx = 0
+        hidden = config.hidden_size
+        self.embed_tokens = uninitialized(nn.Embedding, config.vocab_size, hidden, dtype=dtype)
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.eh_proj = uninitialized(nn.Linear, 2 * hidden, hidden, bias=False, dtype=dtype)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.shared_head.head = uninitialized(nn.Linear, hidden, config.vocab_size, bias=False, dtype=dtype)
+
+
+class DeepseekV3MTP(nn.Module):
+    """The first MTP module of a DeepSeek-V3 checkpoint as a drafter model (a depth reused
+    for every draft step, as vLLM does): forward(input_ids, positions, attn, prev_hidden)
+    with input_ids[i] = t_{p+1} at positions[i] = p and prev_hidden[i] = h_p returns the
+    module's output hidden states (the next step's prev_hidden); `compute_logits` applies
+    the shared head."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.rotary = RotaryEmbedding(config.mla.qk_rope_head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling, dtype)
+        self.layers = nn.ModuleList([DeepseekV3MTPLayer(config, dtype)])
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: MLAAttentionBackend,
+                prev_hidden: Tensor) -> Tensor:
+        layer = self.layers[0]
+        cos, sin = self.rotary.cos_sin(positions)
+        emb = layer.enorm(layer.embed_tokens(input_ids))  # [T, hidden]
+        hidden = layer.eh_proj(torch.cat([emb, layer.hnorm(prev_hidden.to(emb.dtype))], dim=-1))
+        return DeepseekV3DecoderLayer.forward(layer, cos, sin, hidden, attn)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        head = self.layers[0].shared_head
+        return head.head(head.norm(hidden)).float()  # [N, vocab]
+
+    def load_weights(self, weights) -> None:
+        """HF-named tensors of the checkpoint's MTP layer (`model.layers.{N}.*`, N =
+        num_hidden_layers); other names are ignored."""
+        from deepinfer.models.weight_mapping import load_hf_named_weights
+
+        prefix = f"model.layers.{self.config.num_hidden_layers}."
+        load_hf_named_weights(self, ((f"layers.0.{name[len(prefix):]}", tensor)
+                                     for name, tensor in weights if name.startswith(prefix)))
+
+
+def iter_mtp_weights(checkpoint, num_hidden_layers: int):
+    """(HF name, tensor) of the first MTP layer, reading only those tensors of the
+    checkpoint's safetensors shards (the causal LM's loader skips them)."""
+    from safetensors import safe_open
+
+    prefix = f"model.layers.{num_hidden_layers}."
+    for path in checkpoint.weight_files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)

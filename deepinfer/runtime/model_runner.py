@@ -29,6 +29,8 @@ class ModelRunner:
         # Expert parallelism: a step that schedules nothing must still join the group's
         # MoE collectives (deepinfer.moe.expert_parallel.ExpertParallelRuntime.run_empty_step).
         self.empty_step_hook = None
+        # Speculative decoding: a deepinfer.spec.verifier.SpecVerifier samples the step.
+        self.verifier = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -42,6 +44,12 @@ class ModelRunner:
         input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
         attn = self._attention_backend(meta)
         hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        if self.verifier is not None:  # samples every draft position too
+            result = self.verifier.sample(self.model, hidden, ordered)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.step_time_s = time.perf_counter() - start
+            return result
         sampled: dict[str, int] = {}
         logprobs = {}
         if sample_reqs:

@@ -6,6 +6,10 @@ seeded with a hash of (seed, i): the draw is a pure function of (seed, i), so it
 on the rest of the batch, on a preemption (which recomputes and resumes at the same position),
 or on which worker samples it (a decode worker continues at the position the prefill worker's
 token left). Unseeded rows share the sampler's own generator.
+
+Speculative decoding samples several positions of one request in one step: `sample_rows` takes
+one row per position (a ScheduledRequest whose `num_output_tokens` is that row's output
+position), so every position keeps its own (seed, i) noise and min_tokens mask.
 """
 from __future__ import annotations
 
@@ -40,7 +44,22 @@ class Sampler:
     def sample(self, logits: Tensor, requests: list[ScheduledRequest]
                ) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """logits [N, V] float32, one row per request in `requests`."""
-        self._mask_min_tokens(logits, requests)
+        self.mask_min_tokens(logits, requests)
+        token_list = self.sample_tokens(logits, requests).tolist()
+        logprobs = self._logprobs(logits, requests, token_list)
+        return token_list, logprobs
+
+    def sample_rows(self, logits: Tensor, rows: list[ScheduledRequest]
+                    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Like `sample`, but rows may share a request (one row per output position): the
+        log-probs come back per row (None where the request asks for none)."""
+        self.mask_min_tokens(logits, rows)
+        tokens = self.sample_tokens(logits, rows).tolist()
+        return tokens, self.row_logprobs(logits, rows, tokens)
+
+    def sample_tokens(self, logits: Tensor, requests: list[ScheduledRequest]) -> Tensor:
+        """[N] long: greedy rows by argmax, the others by the exponential race (logits
+        already masked for min_tokens)."""
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         rand = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
@@ -52,12 +71,10 @@ class Sampler:
         if rand:
             idx = torch.tensor(rand, device=logits.device)
             tokens[idx] = self._sample_random(logits[idx], [requests[i] for i in rand])
-        token_list = tokens.tolist()
-        logprobs = self._logprobs(logits, requests, token_list)
-        return token_list, logprobs
+        return tokens
 
     @staticmethod
-    def _mask_min_tokens(logits: Tensor, requests: list[ScheduledRequest]) -> None:
+    def mask_min_tokens(logits: Tensor, requests: list[ScheduledRequest]) -> None:
         for i, r in enumerate(requests):
             params = r.sampling_params
             if r.num_output_tokens < params.min_tokens:
@@ -66,12 +83,15 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
     def _sample_random(self, logits: Tensor, requests: list[ScheduledRequest]) -> Tensor:
-        temps = torch.tensor([r.sampling_params.temperature for r in requests],
-                             dtype=logits.dtype, device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        logits = truncate_logits(logits, [r.sampling_params for r in requests])
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+        probs = sampling_probs(logits, [r.sampling_params for r in requests])
+        noise = self.exponential_noise(requests, probs.shape[1], probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+    def exponential_noise(self, requests: list[ScheduledRequest], vocab_size: int,
+                          device: torch.device, stream: int = 0) -> Tensor:
+        """[N, V] Exp(1) noise, a seeded row's drawn from (seed, its output position);
+        `stream` != 0 gives an independent draw for the same position (e.g. a drafter's)."""
+        noise = torch.empty(len(requests), vocab_size, device=device)
         unseeded = []
         for i, r in enumerate(requests):
             seed = r.sampling_params.seed
@@ -79,33 +99,52 @@ class Sampler:
                 unseeded.append(i)
             else:
                 # The token sampled now is output position num_output_tokens.
-                self._position_generator.manual_seed(position_seed(seed, r.num_output_tokens))
+                self.seed_position(seed ^ stream, r.num_output_tokens)
                 noise[i].exponential_(generator=self._position_generator)
         if unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
-            noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty(len(unseeded), vocab_size, device=device
                                      ).exponential_(generator=self.default_generator)
-        return (probs / noise).argmax(dim=-1)
+        return noise
+
+    def seed_position(self, seed: int, position: int) -> torch.Generator:
+        """The per-position generator, seeded for (seed, position)."""
+        return self._position_generator.manual_seed(position_seed(seed, position))
+
+    def _logprobs(self, logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
+                  ) -> dict[str, TokenLogprobs]:
+        rows = self.row_logprobs(logits, requests, tokens)
+        return {r.request_id: lp for r, lp in zip(requests, rows) if lp is not None}
 
     @staticmethod
-    def _logprobs(logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
-                  ) -> dict[str, TokenLogprobs]:
+    def row_logprobs(logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
+                     ) -> list[TokenLogprobs | None]:
+        """Log-probs of `tokens[i]` under row i of `logits` (raw, masked) with its request's
+        top-k alternatives; None for rows whose request asks for no log-probs."""
+        out: list[TokenLogprobs | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
-            return {}
+            return out
         idx = torch.tensor(rows, device=logits.device)
         logp = torch.log_softmax(logits[idx], dim=-1)
         k_max = max(requests[i].sampling_params.logprobs for i in rows)
         top_vals, top_ids = logp.topk(max(k_max, 1), dim=-1)
-        out = {}
         for j, i in enumerate(rows):
             k = requests[i].sampling_params.logprobs
             token_lp = logp[j, tokens[i]]
-            out[requests[i].request_id] = TokenLogprobs(
+            out[i] = TokenLogprobs(
                 token_id=tokens[i], logprob=float(token_lp),
                 rank=int((logp[j] > token_lp).sum()) + 1,
                 top_token_ids=top_ids[j, :k].tolist(), top_logprobs=top_vals[j, :k].tolist())
         return out
+
+
+def sampling_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """[N, V] the distribution a random row samples from: temperature, then min_p / top_k /
+    top_p truncation (see `truncate_logits`), softmax."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = truncate_logits(logits / temps.unsqueeze(1), params)
+    return torch.softmax(logits, dim=-1)
 
 
 def truncate_logits(logits: Tensor, params: list[SamplingParams]) -> Tensor:
