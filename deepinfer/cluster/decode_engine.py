@@ -21,6 +21,13 @@ from deepinfer.sampling_params import SamplingParams
 
 
 class DisaggDecodeEngine(LLMEngine):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The prefill worker's prefix hit per transferred request, kept until admission: the
+        # scheduler counts the whole received prompt as cached, but usage must report what
+        # the prefill worker reused (as colocated serving does).
+        self._prefill_cached_tokens: dict[str, int] = {}
+
     def add_transferred_request(self, request_id: str, prompt_token_ids: list[int],
                                 params: SamplingParams, arrival_time: float,
                                 first_token_id: int,
@@ -52,10 +59,17 @@ class DisaggDecodeEngine(LLMEngine):
         state.sequences[request_id] = SequenceState(0, detok, output)
         state.num_cached_tokens = num_cached_tokens  # the prefill worker's prefix hit
         self.adopt_request_state(state)
+        self._prefill_cached_tokens[request_id] = num_cached_tokens
         return block_ids
 
     def admit_transferred(self, request_id: str) -> None:
-        self.scheduler.admit_transferred(request_id)
+        request = self.scheduler.admit_transferred(request_id)
+        request.num_cached_tokens = self._prefill_cached_tokens.pop(request_id, 0)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._prefill_cached_tokens.pop(request_id, None)
+        super().abort_request(request_ids)
 
     def has_schedulable_requests(self) -> bool:
         """Work for `step()` (transfers in progress are not)."""
