@@ -386,6 +386,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    load_start = os.getloadavg()[0]
     engine = EngineConfig(dtype="float32", num_kv_blocks=256, num_threads=1, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     mean = args.duration_s * args.rate  # Poisson arrivals: mean + 4 sigma is plenty
@@ -395,9 +396,9 @@ def main(argv=None) -> None:
     print(f"reference outputs of {num} prompts in {time.monotonic() - t0:.1f} s", flush=True)
     result = asyncio.run(serve_and_run(args, engine, prompts, references, params))
     result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result["command"] = "python benchmarks/chaos.py " + " ".join(sys.argv[1:] if argv is None
-                                                                 else argv)
-    result["load_average_1m_end"] = os.getloadavg()[0]
+    result["command"] = " ".join(["python benchmarks/chaos.py",
+                                  *(sys.argv[1:] if argv is None else argv)])
+    result["load_average_1m"] = {"start": load_start, "end": os.getloadavg()[0]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)

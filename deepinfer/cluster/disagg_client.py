@@ -616,7 +616,8 @@ class DisaggClient:
                 self.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
             return
         now = time.monotonic()
-        handle.alive, handle.dead_reason, handle.last_seen = True, None, now
+        handle.alive, handle.dead_reason = True, None
+        handle.last_seen = handle.last_loop_advance = now  # not the old process's liveness
         router = self.prefill_router if handle.role == "prefill" else self.decode_router
         router.add_worker(handle.worker_id)
         outage = self.supervisor.on_admitted(handle.worker_id, now)
