@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -259,3 +259,84 @@ def prediction_error(predicted: Sequence[float], measured: Sequence[float]) -> P
         raise ValueError("measured times must be positive")
     pct = np.abs(pred - meas) / meas * 100.0
     return PredictionError(float(np.median(pct)), float(np.percentile(pct, 90)), len(pct))
+
+
+# --- load or recompute ------------------------------------------------------------------------
+# A prefix found in a lower tier (host memory, fs, Redis) can be loaded into device blocks or
+# recomputed. Loading k blocks costs a round trip plus their bytes at the tier's measured
+# bandwidth; recomputing costs prefill compute. `plan_store_load` takes the cheaper, so a slow
+# store never makes a prefill slower than having no store.
+
+
+@dataclass
+class RateEstimator:
+    """Seconds per unit (byte, token) as an exponentially weighted mean of measurements,
+    starting from `prior_s_per_unit`; `latency_s` per operation is added by `seconds`.
+
+    Measurements are weighted by their size (`units`), so one tiny read cannot swing it."""
+
+    prior_s_per_unit: float
+    latency_s: float = 0.0
+    weight: float = 0.2  # share of the estimate a measurement of `typical_units` replaces
+    typical_units: float = 1.0
+    s_per_unit: float = field(init=False)
+    num_samples: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.prior_s_per_unit < 0 or self.latency_s < 0 or not 0 < self.weight <= 1 \
+                or self.typical_units <= 0:
+            raise ValueError("rate prior and latency must be >= 0, weight in (0, 1], "
+                             "typical_units > 0")
+        self.s_per_unit = self.prior_s_per_unit
+
+    def observe(self, units: float, seconds: float) -> None:
+        """One measurement: `units` took `seconds` (the per-operation latency included)."""
+        if units <= 0 or seconds < 0:
+            return
+        rate = max(0.0, seconds - self.latency_s) / units
+        w = min(1.0, self.weight * units / self.typical_units)
+        if self.num_samples == 0:
+            w = max(w, 0.5)  # the first real measurement beats a guessed prior
+        self.s_per_unit += w * (rate - self.s_per_unit)
+        self.num_samples += 1
+
+    def seconds(self, units: float) -> float:
+        return 0.0 if units <= 0 else self.latency_s + self.s_per_unit * units
+
+
+@dataclass(frozen=True)
+class StoreLoadPlan:
+    """How many leading store blocks to load (the rest is recomputed), and the predicted
+    seconds of both parts."""
+
+    num_load_blocks: int
+    load_s: float
+    compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.load_s + self.compute_s
+
+
+def plan_store_load(num_prompt_tokens: int, num_device_tokens: int, num_store_blocks: int,
+                    block_size: int, load_s: Callable[[int], float],
+                    compute_s: Callable[[int, int], float]) -> StoreLoadPlan:
+    """The number k of the `num_store_blocks` blocks after the device-cached head worth
+    loading: argmin over k of `load_s(k)` + `compute_s(rest, context)`, where the rest of the
+    prompt (`num_prompt_tokens - num_device_tokens - k * block_size` tokens) is computed after
+    a context of `num_device_tokens + k * block_size`. Ties go to fewer loaded blocks.
+
+    `load_s(k)`: seconds to read k blocks (0 for k = 0); `compute_s(new, context)`: seconds to
+    prefill `new` tokens after `context` cached ones (a `routing.PrefillCostFn`)."""
+    if min(num_prompt_tokens, num_device_tokens, num_store_blocks) < 0 or block_size < 1:
+        raise ValueError("token and block counts must be >= 0, block_size >= 1")
+    max_blocks = max(0, min(num_store_blocks,
+                            (num_prompt_tokens - num_device_tokens) // block_size))
+    best: StoreLoadPlan | None = None
+    for k in range(max_blocks + 1):
+        context = num_device_tokens + k * block_size
+        plan = StoreLoadPlan(k, load_s(k) if k else 0.0,
+                             compute_s(num_prompt_tokens - context, context))
+        if best is None or plan.total_s < best.total_s:
+            best = plan
+    return best

@@ -13,13 +13,33 @@ yet, so its host memory stays capped) and `num_staging_full` counts the decision
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.core.cost_model import StoreLoadPlan, plan_store_load
 from deepinfer.routing.consistent_hash_ring import ConsistentHashRing
 from deepinfer.routing.prefill_cost import LinearQuadraticPrefillCost, PrefillCostFn
-from collections.abc import Sequence
+from deepinfer.routing.prefix_locator import PrefixLocator, PrefixMatch
 
 from deepinfer.routing.router_base import Router, build_router, next_round_robin
 from deepinfer.routing.routing_request import RoutingRequest
 from deepinfer.routing.worker_load import WorkerLoad
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Where a request goes and what it reuses there. `finish_s`: predicted seconds from now
+    until its prefill is done; `own_cost_s`: its own compute and loads. `num_await_blocks`:
+    leading blocks another worker is computing now, which this one waits for in the shared
+    store until `await_until` (router clock) instead of computing them (0: no wait)."""
+
+    worker_id: str
+    finish_s: float
+    own_cost_s: float
+    num_local_blocks: int = 0
+    num_load_blocks: int = 0
+    num_await_blocks: int = 0
+    await_until: float | None = None
 
 
 class PrefillRouter(Router):
@@ -28,6 +48,14 @@ class PrefillRouter(Router):
     def __init__(self, report_lag_s: float = 0.0) -> None:
         super().__init__(report_lag_s)
         self.num_staging_full = 0  # decisions taken with every worker's staging full (a metric)
+
+    def on_prefill_done(self, request_id: str) -> None:
+        """The request's prompt was computed (handed to decode, or finished by its first
+        token): its blocks are published. Policies that track prefixes override this."""
+
+    def take_prefix_plan(self, request_id: str) -> PrefixPlan | None:
+        """A plan for the prefill worker (await a prefix computed elsewhere), if any."""
+        return None
 
     def select(self, request: RoutingRequest, loads: Sequence[WorkerLoad], now: float) -> str:
         pool = self.candidates(loads)
@@ -38,21 +66,48 @@ class PrefillRouter(Router):
 
 
 class LeastComputePrefillRouter(PrefillRouter):
-    """Least predicted queued compute; shared-store hits count as cheap cached tokens.
+    """Earliest predicted prefill finish, plus the compute it takes from the worker.
+
+    Score per worker: queued compute + the request's own cost there (when it would finish)
+    + its own cost again (the capacity it takes, which later requests wait for). Without
+    prefix knowledge the own cost is the same everywhere and this is least queued compute.
 
     A worker's queued compute is its reported `predicted_queue_time_s` or, when absent,
     `prefill_cost` over its queued uncached tokens (split evenly over its waiting requests,
     so the quadratic term is not applied to the whole queue as if it were one prompt), plus
     the predicted cost of everything routed to it since that report.
+
+    The request's own cost depends on what each worker can reuse (`PrefixLocator`, built
+    from this router's decisions): blocks it computed or is computing now are free; blocks in
+    the shared store are loaded or recomputed, whichever is cheaper (`plan_store_load`, at the
+    worker's measured store rate `WorkerLoad.store_load_s_per_token` when reported); and a
+    prefix being computed on another worker right now can be *awaited*: start once it is
+    published (its eta) and load it, instead of computing it a second time. The chosen option
+    is kept as a `PrefixPlan` for the front (`take_prefix_plan`). Counting the own cost twice
+    is what keeps an idle worker from recomputing a prefix that another finishes about as
+    soon. Ties go to less own compute, then to the worker holding fewer requests.
     """
 
     name = "least-compute"
 
-    def __init__(self, prefill_cost: PrefillCostFn | None = None, report_lag_s: float = 0.0) -> None:
+    def __init__(self, prefill_cost: PrefillCostFn | None = None, report_lag_s: float = 0.0,
+                 track_prefixes: bool = True, await_slack_s: float = 1.0) -> None:
         super().__init__(report_lag_s)
         self.prefill_cost: PrefillCostFn = prefill_cost or LinearQuadraticPrefillCost()
+        self.locator: PrefixLocator | None = PrefixLocator() if track_prefixes else None
+        self.await_slack_s = await_slack_s  # how long past its eta a worker awaits a prefix
+        self._choice: tuple[str, str, PrefixPlan] | None = None  # (request, worker, plan)
+        self._plans: dict[str, PrefixPlan] = {}
+        self.num_awaited = 0  # requests sent to await a prefix computed elsewhere (a metric)
 
     def predicted_cost_s(self, request: RoutingRequest) -> float:
+        choice = self._choice
+        if choice is not None and choice[0] == request.request_id:
+            return choice[2].own_cost_s  # the chosen worker's: what it reuses there
+        return self._hinted_cost_s(request)
+
+    def _hinted_cost_s(self, request: RoutingRequest) -> float:
+        """Cost with only the request's own hint of cached tokens (no prefix knowledge)."""
         return float(self.prefill_cost(request.num_uncached_tokens, request.num_cached_tokens))
 
     def reported_queue_time_s(self, load: WorkerLoad) -> float:
@@ -69,12 +124,90 @@ class LeastComputePrefillRouter(PrefillRouter):
         return self.reported_queue_time_s(load) + self.reserved(load.worker_id).predicted_cost_s
 
     def _choose(self, request: RoutingRequest, candidates: list[WorkerLoad], now: float) -> str:
-        # The request's own cost is the same on every worker (the store is shared), so the
-        # argmin is over queued compute; ties go to the worker holding fewer requests.
-        def key(ld: WorkerLoad) -> tuple[float, int, str]:
+        match = (self.locator.match(request.block_hashes)
+                 if self.locator is not None and request.block_hashes else None)
+        best: tuple | None = None
+        for ld in candidates:
             num_reqs = ld.num_active_reqs + self.reserved(ld.worker_id).num_reqs
-            return (self.predicted_queue_time_s(ld), num_reqs, ld.worker_id)
-        return min(candidates, key=key).worker_id
+            for plan in self._options(request, ld, match, now):
+                key = (plan.finish_s + plan.own_cost_s, plan.own_cost_s, num_reqs, ld.worker_id)
+                if best is None or key < best[0]:
+                    best = (key, plan)
+        plan = best[1]
+        self._choice = (request.request_id, plan.worker_id, plan)
+        return plan.worker_id
+
+    def _options(self, request: RoutingRequest, ld: WorkerLoad, match: PrefixMatch | None,
+                 now: float) -> list[PrefixPlan]:
+        """Compute here with what this worker can reuse; or await a prefix in flight."""
+        queue_s = self.predicted_queue_time_s(ld)
+        if match is None or not (match.num_stored_blocks or match.device_blocks
+                                 or match.in_flight):
+            own = self._hinted_cost_s(request)
+            return [PrefixPlan(ld.worker_id, queue_s + own, own)]
+        bs = ld.block_size
+        usable = (request.num_prompt_tokens - 1) // bs
+        local = min(match.num_local_blocks(ld.worker_id), usable)
+        stored = max(min(match.num_stored_blocks, usable),
+                     min(request.num_cached_tokens // bs, usable))
+        plan = self._plan_load(request, ld, local, max(0, stored - local))
+        options = [PrefixPlan(ld.worker_id, queue_s + plan.total_s, plan.total_s,
+                              num_local_blocks=local, num_load_blocks=plan.num_load_blocks)]
+        for flight in match.in_flight:
+            n = min(flight.num_blocks, usable)
+            if flight.worker_id == ld.worker_id or n <= max(local, stored):
+                continue
+            plan = self._plan_load(request, ld, local, n - local)
+            start = max(queue_s, flight.eta - now)
+            options.append(PrefixPlan(ld.worker_id, start + plan.total_s, plan.total_s,
+                                      num_local_blocks=local,
+                                      num_load_blocks=plan.num_load_blocks,
+                                      num_await_blocks=n,
+                                      await_until=flight.eta + self.await_slack_s))
+        return options
+
+    def _plan_load(self, request: RoutingRequest, ld: WorkerLoad, num_local: int,
+                   num_store: int) -> StoreLoadPlan:
+        bs = ld.block_size
+        rate = ld.store_load_s_per_token or 0.0  # unknown: the cost fn's cached-token charge
+        return plan_store_load(request.num_prompt_tokens, num_local * bs, num_store, bs,
+                               lambda k: k * bs * rate,
+                               lambda new, ctx: float(self.prefill_cost(new, ctx)))
+
+    def on_routed(self, request: RoutingRequest, worker_id: str, now: float) -> None:
+        choice = self._choice
+        if choice is None or choice[0] != request.request_id or choice[1] != worker_id:
+            own = self._hinted_cost_s(request)  # routed without `select` (or elsewhere)
+            self._choice = (request.request_id, worker_id, PrefixPlan(worker_id, own, own))
+        plan = self._choice[2]
+        super().on_routed(request, worker_id, now)  # reserves plan.own_cost_s
+        self._choice = None
+        if plan.num_await_blocks:
+            self.num_awaited += 1
+            self._plans[request.request_id] = plan
+        if self.locator is not None and request.block_hashes:
+            self.locator.on_routed(request.request_id, worker_id, request.block_hashes,
+                                   now + plan.finish_s)
+
+    def take_prefix_plan(self, request_id: str) -> PrefixPlan | None:
+        """The routed request's plan when it should await a prefix computed elsewhere."""
+        return self._plans.pop(request_id, None)
+
+    def on_prefill_done(self, request_id: str) -> None:
+        self._plans.pop(request_id, None)
+        if self.locator is not None:
+            self.locator.on_prefilled(request_id)
+
+    def on_request_aborted(self, request_id: str, worker_id: str | None = None) -> None:
+        super().on_request_aborted(request_id, worker_id)
+        self._plans.pop(request_id, None)
+        if self.locator is not None:
+            self.locator.on_aborted(request_id)
+
+    def remove_worker(self, worker_id: str):
+        if self.locator is not None:
+            self.locator.on_worker_removed(worker_id)
+        return super().remove_worker(worker_id)
 
 
 class RoundRobinPrefillRouter(PrefillRouter):

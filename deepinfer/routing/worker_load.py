@@ -21,6 +21,8 @@ class WorkerLoad:
     worker's host memory holding prompt KV until decode workers pull it (staged plus promised
     to prompts it has admitted) and its cap (None: no cap reported); a worker whose staging is
     full holds new prompts back, so the prefill router sends them elsewhere when it can.
+    `store_load_s_per_token`: a prefill worker's measured time to load one token's KV from
+    the shared store (None: not measured), for the router's load-or-recompute choice.
     """
 
     worker_id: str
@@ -38,6 +40,7 @@ class WorkerLoad:
     healthy: bool = True
     kv_staged_bytes: int = 0
     kv_staging_capacity_bytes: int | None = None
+    store_load_s_per_token: float | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -54,6 +57,8 @@ class WorkerLoad:
             raise ValueError(f"max_running_reqs must be >= 1, got {self.max_running_reqs}")
         if self.predicted_queue_time_s is not None and self.predicted_queue_time_s < 0:
             raise ValueError("predicted_queue_time_s must be >= 0 or None")
+        if self.store_load_s_per_token is not None and self.store_load_s_per_token < 0:
+            raise ValueError("store_load_s_per_token must be >= 0 or None")
         if self.kv_staging_capacity_bytes is not None and self.kv_staging_capacity_bytes < 1:
             raise ValueError("kv_staging_capacity_bytes must be >= 1 or None")
 

@@ -1,0 +1,150 @@
+"""Store-aware least-compute routing (pure): prefixes in flight are reused, not recomputed;
+stored prefixes spread over workers; loading vs recomputing is decided by cost."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.core.cost_model import RateEstimator, plan_store_load
+from deepinfer.core.prefix_hash import hash_request_blocks
+from deepinfer.routing import (LinearQuadraticPrefillCost, RoutingRequest, WorkerLoad,
+                               build_prefill_router)
+from deepinfer.routing.prefix_locator import PrefixLocator
+
+COST = LinearQuadraticPrefillCost()
+BS = 16
+SYSTEM = list(range(100, 100 + 512))  # a 512-token shared system prompt
+
+
+def load(wid: str, t: float = 0.0, store_rate: float | None = None) -> WorkerLoad:
+    return WorkerLoad(wid, "prefill", t, predicted_queue_time_s=0.0,
+                      store_load_s_per_token=store_rate)
+
+
+def request(rid: str, suffix_seed: int, suffix_len: int = 48) -> RoutingRequest:
+    prompt = SYSTEM + [5000 + suffix_seed * 97 + i for i in range(suffix_len)]
+    return RoutingRequest(rid, len(prompt), hash_request_blocks(prompt, BS))
+
+
+# --- cost model: load or recompute ------------------------------------------------------------
+
+def test_plan_store_load_takes_the_cheaper_of_loading_and_recomputing():
+    compute = lambda new, ctx: COST(new, ctx)  # noqa: E731
+    fast = plan_store_load(560, 0, 32, BS, lambda k: 1e-6 * k * BS, compute)
+    assert fast.num_load_blocks == 32 and fast.total_s < COST(560, 0)
+    slow = plan_store_load(560, 0, 32, BS, lambda k: 1.0 + 1e-6 * k, compute)
+    assert slow.num_load_blocks == 0 and slow.total_s == pytest.approx(COST(560, 0))
+    # Device-cached head: only the blocks after it are candidates, and never the last token.
+    head = plan_store_load(560, 256, 32, BS, lambda k: 0.0, compute)
+    assert head.num_load_blocks == (560 - 256) // BS
+    with pytest.raises(ValueError):
+        plan_store_load(10, 0, 1, 0, lambda k: 0.0, compute)
+
+
+def test_rate_estimator_follows_measurements_weighted_by_size():
+    est = RateEstimator(prior_s_per_unit=1e-3, latency_s=0.01, typical_units=1000)
+    assert est.seconds(0) == 0.0 and est.seconds(1000) == pytest.approx(0.01 + 1.0)
+    est.observe(1000, 0.01 + 0.1)  # first measurement: at least half way from the prior
+    assert est.s_per_unit < 0.6e-3
+    for _ in range(40):
+        est.observe(1000, 0.01 + 0.1)
+    assert est.s_per_unit == pytest.approx(1e-4, rel=1e-3)
+    before = est.s_per_unit
+    est.observe(1, 0.01 + 1e-3)  # one tiny read, 10x slower per unit, barely moves it
+    assert est.s_per_unit < before * 1.01
+    with pytest.raises(ValueError):
+        RateEstimator(prior_s_per_unit=-1.0)
+
+
+# --- prefix locator ---------------------------------------------------------------------------
+
+def test_locator_tracks_in_flight_then_stored_and_forgets_aborts_and_lost_workers():
+    loc = PrefixLocator()
+    a = request("a", 1).block_hashes
+    b = request("b", 2).block_hashes  # shares the 32 system blocks with a
+    loc.on_routed("a", "p0", a, eta=5.0)
+    m = loc.match(b)
+    assert m.num_stored_blocks == 0 and m.num_local_blocks("p0") == 32
+    assert [(f.worker_id, f.num_blocks, f.eta) for f in m.in_flight] == [("p0", 32, 5.0)]
+    loc.on_prefilled("a")
+    m = loc.match(b)
+    assert m.num_stored_blocks == 32 and m.num_local_blocks("p0") == 32 and not m.in_flight
+    assert loc.match(a).num_stored_blocks == len(a)
+    loc.on_routed("c", "p1", request("c", 3).block_hashes, eta=9.0)
+    loc.on_aborted("c")
+    assert not loc.match(request("c", 3).block_hashes).in_flight
+    loc.on_worker_removed("p0")
+    m = loc.match(b)
+    assert m.num_local_blocks("p0") == 0 and m.num_stored_blocks == 32  # the store survives
+
+
+def test_locator_is_bounded():
+    loc = PrefixLocator(capacity_blocks=20)
+    loc.on_routed("a", "p0", request("a", 1).block_hashes, eta=1.0)
+    loc.on_prefilled("a")
+    assert len(loc) == 20  # of 35
+
+
+# --- routing ----------------------------------------------------------------------------------
+
+def test_prefix_in_flight_is_reused_not_computed_twice():
+    router = build_prefill_router("least-compute")
+    loads = [load("p0"), load("p1")]
+    first = request("a", 1)
+    assert router.route(first, loads, 0.0) == "p0"
+    full = router.reserved("p0").predicted_cost_s
+    assert full == pytest.approx(COST(first.num_prompt_tokens, 0))
+    second = request("b", 2)
+    worker = router.route(second, loads, 0.0)
+    reserved = router.reserved(worker).predicted_cost_s - (full if worker == "p0" else 0.0)
+    # Only the suffix is computed: on p0 (it computes the prefix) or on p1 awaiting it.
+    assert reserved < 0.25 * full
+    plan = router.take_prefix_plan("b")
+    if worker == "p1":
+        assert plan is not None and plan.num_await_blocks == 32
+        assert plan.await_until >= COST(first.num_prompt_tokens, 0)
+    else:
+        assert plan is None
+
+
+def test_stored_prefix_spreads_over_workers_as_store_hits():
+    router = build_prefill_router("least-compute")
+    loads = [load("p0"), load("p1")]
+    router.route(request("a", 1), loads, 0.0)
+    router.on_prefill_done("a")  # published; p0 also has it on device
+    # p0 is now busy; a request sharing the prefix goes to p1 and counts the prefix as
+    # loaded from the store (cheap), not recomputed.
+    loads = [WorkerLoad("p0", "prefill", 0.1, predicted_queue_time_s=1.0), load("p1", 0.1)]
+    picks = router.route(request("b", 2), loads, 0.1)
+    assert picks == "p1"
+    assert router.reserved("p1").predicted_cost_s < 0.25 * COST(560, 0)
+
+
+def test_slow_store_never_predicts_worse_than_recomputing():
+    router = build_prefill_router("least-compute")
+    slow = [load("p0", store_rate=1.0), load("p1", store_rate=1.0)]  # 1 s per token
+    router.route(request("a", 1), slow, 0.0)
+    router.on_prefill_done("a")
+    slow = [WorkerLoad("p0", "prefill", 0.5, predicted_queue_time_s=1.0,
+                       store_load_s_per_token=1.0), load("p1", 0.5, store_rate=1.0)]
+    worker = router.route(request("b", 2), slow, 0.5)
+    assert worker == "p1"  # p0 has the prefix on device but a long queue
+    cost = router.reserved("p1").predicted_cost_s
+    assert cost == pytest.approx(COST(560, 0))  # recompute, not a 512-second load
+
+
+def test_aborted_in_flight_prefix_is_not_awaited():
+    router = build_prefill_router("least-compute")
+    loads = [load("p0"), load("p1")]
+    router.route(request("a", 1), loads, 0.0)
+    router.on_request_aborted("a", "p0")
+    router.route(request("b", 2), loads, 0.0)
+    assert router.take_prefix_plan("b") is None
+    assert router.reserved("p0").predicted_cost_s + router.reserved("p1").predicted_cost_s \
+        == pytest.approx(COST(560, 0))
+
+
+def test_prefix_tracking_can_be_turned_off():
+    router = build_prefill_router("least-compute", track_prefixes=False)
+    loads = [load("p0"), load("p1")]
+    assert [router.route(request(f"r{i}", i), loads, 0.0) for i in range(4)] == \
+        ["p0", "p1", "p0", "p1"]
