@@ -97,20 +97,24 @@ class ClusterSimulator:
 
     def _on_arrival(self, record: SimRequest) -> None:
         pool = self._entry_pool()
-        block_size = pool[0].engine.block_size
+        kv = pool[0].scheduler.kv
+        record.block_hashes = hash_request_blocks(record.prompt_token_ids, kv.block_size,
+                                                  kv.hash_salt)
         if len(pool) == 1:
             worker = pool[0]
         else:
-            routing = RoutingRequest(
-                request_id=record.request_id, num_prompt_tokens=record.prompt_len,
-                block_hashes=hash_request_blocks(record.prompt_token_ids[:4 * block_size],
-                                                 block_size))
+            routing = RoutingRequest(request_id=record.request_id,
+                                     num_prompt_tokens=record.prompt_len,
+                                     block_hashes=record.block_hashes)
             loads = [w.last_load for w in pool]
             try:
                 worker = self.workers[self.prefill_router.route(routing, loads, self.now)]
             except (NoWorkerAvailable, ValueError) as e:
                 record.error = str(e)
                 return
+            # A plan to await a prefix another worker is computing is not modelled: the
+            # worker computes (or loads from the store) what it finds when it admits.
+            self.prefill_router.take_prefix_plan(record.request_id)
         record.prefill_worker = worker.worker_id
         self._deliver(worker, record)
 
@@ -139,8 +143,6 @@ class ClusterSimulator:
 
     def _admit_new(self, worker: SimWorker, record: SimRequest) -> None:
         kv = worker.scheduler.kv
-        record.block_hashes = hash_request_blocks(record.prompt_token_ids, kv.block_size,
-                                                  kv.hash_salt)
         if self.store is not None and worker.role == "prefill" and kv.enable_prefix_caching:
             usable = record.block_hashes[:(record.prompt_len - 1) // kv.block_size]
             load = kv.load_prefix_blocks(usable, self.store.get, lambda block_id, payload: None)
@@ -214,6 +216,8 @@ class ClusterSimulator:
                     request.num_output_tokens < record.output_len:
                 record.error = "prompt does not fit the KV cache"
             record.finished_s = self.now
+            if worker.role == "prefill":  # finished by its first token: prompt published
+                self.prefill_router.on_prefill_done(request.request_id)
         if worker.role == "prefill":
             for request_id in update.new_token_ids:
                 if request_id in sched.requests:  # not finished by its first token
@@ -223,6 +227,7 @@ class ClusterSimulator:
     def _hand_off(self, worker: SimWorker, request_id: str) -> None:
         record = self.requests[request_id]
         worker.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self.prefill_router.on_prefill_done(request_id)  # its blocks are published
         if self.store is not None:
             num_bytes = record.prompt_len * worker.step_model.kv_bytes_per_token
             self._at(self.now + self.cluster.prefix_store.link.seconds(num_bytes),

@@ -126,3 +126,15 @@ def test_cost_needs_profile_or_roofline():
         cluster_from_dict({"cost": {}, "pools": {"colocated": {}}})
     with pytest.raises(ValueError, match="both accelerator and model"):
         cluster_from_dict({"cost": {"accelerator": "H800"}, "pools": {"colocated": {}}})
+
+
+def test_front_tells_the_prefill_router_when_prefills_are_done():
+    # As the real front does: every routed prompt is reported done (handed off, or finished
+    # by its first token), so a router that tracks in-flight prefixes holds none at the end.
+    cfg = WorkloadConfig(kind="shared-prefix", num_prompts=12, input_len=32, output_len=2,
+                         num_groups=2, shared_prefix_len=64, range_ratio=0.9, request_rate=20.0)
+    run = simulate_workload(cluster(PD), build_workload(cfg))
+    assert all(r.success for r in run.results)
+    locator = run.simulator.prefill_router.locator  # least-compute tracks prefixes
+    assert locator is not None
+    assert locator._requests == {}
