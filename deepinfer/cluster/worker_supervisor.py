@@ -6,10 +6,8 @@ bookkeeping (no processes, no clock: `now` is passed in); `DisaggClient` spawns 
                        └─────────────────┘
     (more than `max_restarts` consecutive restarts ──▶ GAVE_UP, for good)
 
-Back-off doubles per consecutive restart (`initial_backoff_s` · 2^(k-1), capped at
-`max_backoff_s`). A worker that stayed admitted for `stable_after_s` starts over at k = 1, so a
-worker killed once a day is restarted promptly forever, while one that crashes at load is
-retried a bounded number of times.
+Back-off and give-up follow `core.restart_policy.RestartPolicy`, shared with the colocated
+engine's supervisor.
 """
 from __future__ import annotations
 
@@ -17,37 +15,11 @@ import enum
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from deepinfer.core.restart_policy import RestartPolicy
+
+__all__ = ["RestartPolicy", "WorkerState", "WorkerSupervisor", "RecoveryRecord",
+           "LossDecision"]
 MAX_RECOVERY_RECORDS = 1024
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """`max_restarts`: consecutive restarts before giving up (0: never restart)."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 30.0
-    multiplier: float = 2.0
-    max_restarts: int = 5
-    stable_after_s: float = 60.0
-    ready_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.initial_backoff_s < 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("need 0 <= initial_backoff_s <= max_backoff_s")
-        if self.multiplier < 1:
-            raise ValueError("back-off multiplier must be >= 1")
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must be >= 0")
-        if self.stable_after_s < 0 or self.ready_timeout_s <= 0:
-            raise ValueError("stable_after_s must be >= 0 and ready_timeout_s positive")
-
-    def backoff_s(self, attempt: int) -> float:
-        """Delay before the `attempt`-th consecutive restart (1-based)."""
-        if attempt < 1:
-            raise ValueError("attempt is 1-based")
-        # min() before the power would overflow for a long-lived flapping worker.
-        exponent = min(attempt - 1, 64)
-        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** exponent)
 
 
 class WorkerState(enum.Enum):
@@ -55,6 +27,7 @@ class WorkerState(enum.Enum):
     BACKOFF = "backoff"  # lost; waiting for its restart time
     STARTING = "starting"  # a new process is loading; not routable yet
     GAVE_UP = "gave_up"
+    RETIRED = "retired"  # scaled down: draining or gone, never restarted
 
 
 @dataclass
@@ -111,6 +84,19 @@ class WorkerSupervisor:
         """A worker that is up and routable (initial start)."""
         self._entries[worker_id] = _Entry(role=role, admitted_at=now)
 
+    def add_starting(self, worker_id: str, role: str, now: float) -> None:
+        """A worker added while serving (scale-out): loading, admitted like a restart (its
+        start is not counted as one); lost before admission, it is restarted per the policy."""
+        self._entries[worker_id] = _Entry(role=role, state=WorkerState.STARTING, started_at=now)
+
+    def retire(self, worker_id: str) -> None:
+        """Scaled down: never restart it, whatever happens to it from now on."""
+        self._entries[worker_id].state = WorkerState.RETIRED
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a retired worker that is gone."""
+        self._entries.pop(worker_id, None)
+
     def state(self, worker_id: str) -> WorkerState:
         return self._entries[worker_id].state
 
@@ -118,7 +104,7 @@ class WorkerSupervisor:
         """The worker (or the process started to replace it) is gone. Schedules the next
         restart after the back-off, or gives up after `max_restarts` consecutive ones."""
         e = self._entries[worker_id]
-        if e.state is WorkerState.GAVE_UP:
+        if e.state in (WorkerState.GAVE_UP, WorkerState.RETIRED):
             return LossDecision(worker_id, None, e.num_consecutive)
         if e.state is WorkerState.BACKOFF:  # reported twice: one loss
             return LossDecision(worker_id, e.next_attempt_at, e.num_consecutive)

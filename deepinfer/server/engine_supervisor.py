@@ -16,34 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+
+from deepinfer.core.restart_policy import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineRestartPolicy:
-    """`max_restarts`: consecutive failed-or-crashed restarts before giving up (0: never
-    restart, the pre-supervisor behaviour)."""
-
-    max_restarts: int = 5
-    initial_backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    multiplier: float = 2.0
-    stable_after_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must be >= 0")
-        if self.initial_backoff_s < 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("need 0 <= initial_backoff_s <= max_backoff_s")
-        if self.multiplier < 1:
-            raise ValueError("the back-off multiplier must be >= 1")
-
-    def backoff_s(self, attempt: int) -> float:
-        """Delay before the `attempt`-th consecutive restart (1-based)."""
-        exponent = min(max(attempt, 1) - 1, 64)  # bounded: no float overflow when flapping
-        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** exponent)
+# The one restart policy of every supervisor; the old name stays for existing callers.
+EngineRestartPolicy = RestartPolicy
 
 
 class EngineSupervisor:
