@@ -549,11 +549,13 @@ class DisaggClient:
                 except EngineDeadError as exc:
                     reason = f"{reason}; retry impossible: {exc}"
             self.num_failed_by_worker_loss += 1
+            # A suspended worker may come back, but its stream cannot continue elsewhere.
+            what = "stopped responding" if handle.suspended_since is not None else "was lost"
             if handle.role == "prefill" and track.phase == "decode":
-                message = (f"prefill worker {worker_id} was lost ({reason}) before decode "
+                message = (f"prefill worker {worker_id} {what} ({reason}) before decode "
                            f"worker {track.decode_worker} received the request's KV")
             else:
-                message = (f"{handle.role} worker {worker_id} was lost ({reason}) after "
+                message = (f"{handle.role} worker {worker_id} {what} ({reason}) after "
                            f"{track.num_tokens_streamed} streamed tokens")
             # Aborts every other holder too: staged KV, a pull in flight, allocated blocks.
             await self._give_up(track, EngineDeadError(message))

@@ -258,7 +258,8 @@ def test_killing_a_prefill_worker_under_load(cluster, encode, engine_base_llm):
         if r["error"] is None:
             assert r["tokens"] == want[rid], rid
         else:
-            assert "prefill-0" in r["error"] and "was lost" in r["error"], (rid, r)
+            assert "prefill-0" in r["error"], (rid, r)
+            assert "was lost" in r["error"] or "stopped responding" in r["error"], (rid, r)
     assert cluster.client.num_retried > retried  # unstreamed requests moved to prefill-1
     assert sum(1 for r in results.values() if r["error"] is None) >= 1
     # No KV left anywhere: nothing staged, no blocks in use, no transfer pending on any live
