@@ -25,7 +25,8 @@ import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_front_rank_decoder
-from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle, exit_message
+from deepinfer.ep.rank_group_handle import (MAX_EPLB_HISTORY, GroupHandle, RankHandle,
+                                            exit_message)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
@@ -308,6 +309,7 @@ class DataParallelClient:
                 self._dispatch(handle, message)
             elif isinstance(message, EPLBStats):
                 group.eplb = message
+                group.eplb_history = group.eplb_history[-MAX_EPLB_HISTORY + 1:] + [message]
                 group.num_rebalances += 1
                 group.moved_bytes += message.moved_bytes
                 logger.info("group %d EPLB at step %d: balancedness %.3f -> %.3f (mean of %d "

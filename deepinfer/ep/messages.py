@@ -28,6 +28,8 @@ class EPLBStats(msgspec.Struct, tag=True):
     duration_s: float
     redundant_expert_bytes: int
     num_rebalances: int
+    expert_cpu_ms_max: float = 0.0  # per step since the previous rebalance: busiest rank
+    expert_cpu_ms_mean: float = 0.0  # ... and the mean rank (CPU devices)
 
 
 RankControl = WakeUp | ForceRebalance

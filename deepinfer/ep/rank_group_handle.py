@@ -24,6 +24,9 @@ from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
 
 
+MAX_EPLB_HISTORY = 256
+
+
 @dataclass
 class RankHandle:
     group: int
@@ -52,7 +55,8 @@ class GroupHandle:
     dead_message: str | None = "not started"
     incarnation: int = 0
     healthy_since: float = 0.0
-    eplb: EPLBStats | None = None
+    eplb: EPLBStats | None = None  # the last rebalance
+    eplb_history: list[EPLBStats] = field(default_factory=list)  # the last MAX_EPLB_HISTORY
     num_rebalances: int = 0  # over every incarnation
     moved_bytes: int = 0
     lost: asyncio.Event = field(default_factory=asyncio.Event)

@@ -86,7 +86,8 @@ class RankLoop(EngineLoop):
             num_moved_slots=report.num_moved_slots, moved_bytes=report.moved_bytes,
             duration_s=report.duration_s,
             redundant_expert_bytes=self.runtime.redundant_expert_bytes(),
-            num_rebalances=len(self.runtime.reports))), copy=False)
+            num_rebalances=len(self.runtime.reports), expert_cpu_ms_max=report.expert_cpu_ms_max,
+            expert_cpu_ms_mean=report.expert_cpu_ms_mean)), copy=False)
 
     def _on_message(self, message) -> bool:
         if isinstance(message, WakeUp):

@@ -11,6 +11,8 @@ copies, so which one computes a pair never changes the result.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,9 @@ class ExpertParallelExperts(nn.Module):
         self.register_buffer("slot_load", torch.zeros(num_physical, dtype=torch.long, device=dev),
                              persistent=False)
         self.phy2log = np.arange(num_physical) % num_logical  # host copy of the current map
+        # CPU seconds this rank spent in its experts (thread time: immune to time slicing), the
+        # quantity EPLB balances; read and reset by the runtime at each rebalance.
+        self.compute_cpu_s = 0.0
 
     # ---- placement ---------------------------------------------------------------------------
     @property
@@ -105,6 +110,7 @@ class ExpertParallelExperts(nn.Module):
         x = batch.hidden
         if x.shape[0] == 0:
             return x.new_zeros(0, x.shape[1])
+        cpu_start = time.thread_time()
         order = batch.local_slots.argsort(stable=True)
         counts = torch.bincount(batch.local_slots, minlength=self.slots_per_rank).tolist()
         sorted_x = x.index_select(0, order)
@@ -121,4 +127,5 @@ class ExpertParallelExperts(nn.Module):
         y = torch.empty_like(out).index_copy_(0, order, out)  # back to batch order
         if batch.weights is not None:
             y = (y * batch.weights.unsqueeze(1)).to(dtype)
+        self.compute_cpu_s += time.thread_time() - cpu_start  # CPU only: CUDA work is async
         return y

@@ -10,7 +10,7 @@ class EPLBConfig:
     window_size: int = 1000  # steps of load history the planner sees
     step_interval: int = 3000  # rebalance every this many steps (of the whole EP group)
     num_redundant_experts: int = 0  # extra physical slots per MoE layer (replicas of hot experts)
-    log_balancedness: bool = False  # log the window's balancedness every step_interval steps too
+    log_balancedness: bool = False  # log every step's group-wide balancedness (one more all-reduce)
 
     def __post_init__(self) -> None:
         if self.window_size < 1 or self.step_interval < 1:

@@ -51,3 +51,59 @@ def plan_expert_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray,
                 moves.append(ExpertMove(layer, slot, expert, int(holders[i % holders.size]), "remote"))
                 received[(rank, expert)] = slot
     return moves
+
+
+def align_to_current(old_phy2log: np.ndarray, new_phy2log: np.ndarray, slots_per_rank: int,
+                     ranks_per_node: int | None = None) -> np.ndarray:
+    """`new_phy2log` relabelled to change as few slots as possible: which rank gets which of the
+    plan's rank contents, and which slot of a rank holds which of its experts, do not change any
+    rank's load, so the plan keeps its balancedness while most slots keep their weights.
+
+    Ranks are matched greedily by the number of experts they share (within a node when
+    `ranks_per_node` is given, so hierarchical plans keep their groups inside nodes); inside a
+    rank, experts it already holds stay in their slots.
+    """
+    old = np.asarray(old_phy2log, dtype=np.int64)
+    new = np.asarray(new_phy2log, dtype=np.int64)
+    num_ranks = old.shape[1] // slots_per_rank
+    per_node = ranks_per_node or num_ranks
+    out = np.empty_like(new)
+    for layer in range(old.shape[0]):
+        old_sets = old[layer].reshape(num_ranks, slots_per_rank)
+        new_sets = new[layer].reshape(num_ranks, slots_per_rank)
+        for node_start in range(0, num_ranks, per_node):
+            ranks = range(node_start, node_start + per_node)
+            for old_rank, new_rank in _match_ranks(old_sets, new_sets, ranks):
+                out[layer, old_rank * slots_per_rank:(old_rank + 1) * slots_per_rank] = \
+                    _keep_slots(old_sets[old_rank], new_sets[new_rank])
+    return out
+
+
+def _match_ranks(old_sets: np.ndarray, new_sets: np.ndarray, ranks: range) -> list[tuple[int, int]]:
+    """Greedy max-overlap pairing of old ranks with the plan's ranks (both within `ranks`)."""
+    overlap = {(a, b): _multiset_overlap(old_sets[a], new_sets[b]) for a in ranks for b in ranks}
+    pairs, used_old, used_new = [], set(), set()
+    for (a, b), _ in sorted(overlap.items(), key=lambda item: (-item[1], item[0])):
+        if a not in used_old and b not in used_new:
+            pairs.append((a, b))
+            used_old.add(a)
+            used_new.add(b)
+    return pairs
+
+
+def _multiset_overlap(a: np.ndarray, b: np.ndarray) -> int:
+    values, counts_a = np.unique(a, return_counts=True)
+    counts_b = np.array([np.count_nonzero(b == v) for v in values])
+    return int(np.minimum(counts_a, counts_b).sum())
+
+
+def _keep_slots(old_slots: np.ndarray, new_experts: np.ndarray) -> np.ndarray:
+    """The rank's new experts arranged so that slots already holding one of them keep it."""
+    remaining = list(new_experts)
+    out = np.full(old_slots.shape[0], -1, dtype=np.int64)
+    for i, expert in enumerate(old_slots):
+        if expert in remaining:
+            out[i] = expert
+            remaining.remove(expert)
+    out[out < 0] = remaining
+    return out

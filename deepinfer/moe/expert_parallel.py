@@ -15,7 +15,7 @@ from torch import nn
 
 from deepinfer.moe.dispatch import make_dispatcher
 from deepinfer.moe.ep_experts import ExpertParallelExperts
-from deepinfer.moe.eplb import placement_from_phy2log
+from deepinfer.moe.eplb import balancedness, placement_from_phy2log
 from deepinfer.moe.eplb_config import EPLBConfig
 from deepinfer.moe.layer import SparseMoEBlock
 from deepinfer.moe.load_recorder import ExpertLoadRecorder
@@ -45,6 +45,7 @@ class ExpertParallelRuntime:
         self.top_k = config.num_experts_per_tok
         self.eplb = eplb
         self.num_steps = 0  # group steps (identical on every rank)
+        self._last_rebalance_step = 0
         self.reports: list[RebalanceReport] = []
         initial = np.tile(np.arange(self.num_physical) % self.num_logical, (len(blocks), 1))
         placement = placement_from_phy2log(initial, self.num_logical, world_size)
@@ -90,14 +91,30 @@ class ExpertParallelRuntime:
         if self.recorder is None:
             return None
         self.recorder.record(loads, self.placement.phy2log)
+        if self.eplb.log_balancedness:
+            self._log_step_balancedness(loads)
         due = self.num_steps % self.eplb.step_interval == 0
         return self.rebalance_now() if due or force_rebalance else None
+
+    def _log_step_balancedness(self, slot_loads: np.ndarray) -> None:
+        """Collective: this step's group-wide rank loads (vLLM's log_balancedness)."""
+        import torch.distributed as dist
+        total = torch.as_tensor(slot_loads)
+        if dist.is_initialized():
+            total = total.to(self.layers[0].slot_load.device)
+            dist.all_reduce(total, group=self.rebalancer.group)
+        per_rank = total.cpu().numpy().reshape(len(self.layers), self.world_size, -1).sum(-1)
+        if self.rank == 0:
+            logger.info("EPLB step %d: balancedness %.3f (mean over %d layers)", self.num_steps,
+                        balancedness(per_rank).mean(), len(self.layers))
 
     def rebalance_now(self) -> RebalanceReport | None:
         """Collective (every rank at the same point): plan from the window, move, switch."""
         if self.recorder is None:
             return None
-        report = self.rebalancer.rebalance(self.recorder.logical_loads(), self.num_steps)
+        report = self.rebalancer.rebalance(self.recorder.logical_loads(), self.num_steps,
+                                           self.num_steps - self._last_rebalance_step)
+        self._last_rebalance_step = self.num_steps
         if report is not None:
             self.reports.append(report)
             if self.rank == 0:

@@ -1,6 +1,7 @@
 """EPLB rebalance step, run by every rank of an EP group at the same step (between steps):
 
     window loads [layers, experts] ──all_reduce(sum)──▶ plan_placement (moe/eplb.py, pure)
+      ──▶ align_to_current (relabel ranks/slots: same loads, fewest changed slots)
       ──▶ plan_expert_moves (only slots whose expert changes) ──▶ point-to-point weight
       transfers (isend/irecv; local copies for experts the rank already holds)
       ──▶ every layer switches to the new map
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.moe.ep_experts import ExpertParallelExperts
-from deepinfer.moe.eplb import ExpertPlacement, plan_placement
-from deepinfer.moe.expert_moves import ExpertMove, plan_expert_moves
+from deepinfer.moe.eplb import ExpertPlacement, placement_from_phy2log, plan_placement
+from deepinfer.moe.expert_moves import ExpertMove, align_to_current, plan_expert_moves
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class RebalanceReport:
     num_moved_slots: int  # slots whose expert changed (whole group)
     moved_bytes: int  # expert bytes sent between ranks (whole group)
     duration_s: float
+    # Expert CPU time per step since the last rebalance (CPU devices): busiest rank, mean rank.
+    expert_cpu_ms_max: float = 0.0
+    expert_cpu_ms_mean: float = 0.0
 
 
 class ExpertRebalancer:
@@ -44,20 +48,32 @@ class ExpertRebalancer:
         self.num_nodes = num_nodes
         self.group = group
 
-    def rebalance(self, local_loads: np.ndarray, step: int) -> RebalanceReport | None:
+    def rebalance(self, local_loads: np.ndarray, step: int,
+                  num_steps_since: int = 1) -> RebalanceReport | None:
         """Collective: `local_loads` [layers, experts] is this rank's window. None (and nothing
         moved) when the group saw no load at all."""
         start = time.perf_counter()
         loads = torch.as_tensor(np.ascontiguousarray(local_loads), dtype=torch.long)
+        cpu_ms = torch.zeros(self.layers[0].world_size, dtype=torch.float64)  # [ranks]
+        spent = sum(layer.compute_cpu_s for layer in self.layers)
+        cpu_ms[self.layers[0].rank] = spent * 1e3 / max(1, num_steps_since)
+        for layer in self.layers:
+            layer.compute_cpu_s = 0.0
         if dist.is_initialized():
             loads = loads.to(self._comm_device())
             dist.all_reduce(loads, group=self.group)
-        loads = loads.cpu().numpy()
+            cpu_ms = cpu_ms.to(self._comm_device())
+            dist.all_reduce(cpu_ms, group=self.group)  # each rank filled its own entry
+        loads, cpu_ms = loads.cpu().numpy(), cpu_ms.cpu().numpy()
         if loads.sum() == 0:
             return None
         first = self.layers[0]
-        new = plan_placement(loads, first.num_physical, first.world_size, self.num_groups,
-                             self.num_nodes)
+        planned = plan_placement(loads, first.num_physical, first.world_size, self.num_groups,
+                                 self.num_nodes)
+        # Relabel ranks and slots to keep what already sits in place (same balancedness).
+        aligned = align_to_current(self.placement.phy2log, planned.phy2log, first.slots_per_rank,
+                                   first.world_size // self.num_nodes)
+        new = placement_from_phy2log(aligned, first.num_experts, first.world_size)
         before = self.placement.balancedness(loads)
         moves = plan_expert_moves(self.placement.phy2log, new.phy2log, first.slots_per_rank)
         self._apply_moves(moves)
@@ -66,7 +82,8 @@ class ExpertRebalancer:
         self.placement = new
         moved_bytes = sum(first.expert_bytes() for m in moves if m.kind == "remote")
         return RebalanceReport(step, before.tolist(), new.balancedness(loads).tolist(),
-                               len(moves), moved_bytes, time.perf_counter() - start)
+                               len(moves), moved_bytes, time.perf_counter() - start,
+                               float(cpu_ms.max()), float(cpu_ms.mean()))
 
     def _comm_device(self) -> torch.device:
         return self.layers[0].gate_up_proj.device

@@ -109,3 +109,13 @@ def test_runtime_checks_its_inputs():
         ExpertParallelRuntime(nn.Linear(2, 2), 0, 1)
     with pytest.raises(ValueError, match="divide"):
         ExpertParallelRuntime(tiny_moe_model(), 0, 3, num_redundant_experts=0)
+
+
+def test_log_balancedness_logs_every_step(caplog):
+    model = tiny_moe_model()
+    runtime = ExpertParallelRuntime(model, 0, 1, eplb=EPLBConfig(step_interval=100,
+                                                                  log_balancedness=True))
+    run(model, torch.randn(5, H))
+    with caplog.at_level("INFO", logger="deepinfer.moe.expert_parallel"):
+        runtime.end_step()
+    assert "EPLB step 1: balancedness 1.000" in caplog.text  # one rank is always balanced

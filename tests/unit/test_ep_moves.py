@@ -66,3 +66,36 @@ def test_replicas_take_turns_as_sources():
     new = np.array([[0, 1, 0, 2, 0, 4, 0, 6]])  # slots 4 and 6 (ranks 2, 3) become expert 0
     moves = plan_expert_moves(old, new, 2)
     assert sorted(m.source_slot for m in moves) == [0, 2]
+
+
+def test_moves_recorder_and_eplb_config_are_pure():
+    """Like moe/eplb.py they import nothing heavy (the simulator may drive them)."""
+    from tests.unit.test_pure_imports import run_child
+    report = run_child(["deepinfer.moe.expert_moves", "deepinfer.moe.load_recorder",
+                        "deepinfer.moe.eplb_config"])
+    assert report["errors"] == {} and report["attempts"] == [], report
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_alignment_keeps_balancedness_and_changes_fewer_slots(seed):
+    from deepinfer.moe.eplb import placement_from_phy2log
+    from deepinfer.moe.expert_moves import align_to_current
+
+    old, new, per_rank = random_layouts(seed)
+    aligned = align_to_current(old, new, per_rank)
+    loads = np.random.default_rng(seed).zipf(1.5, (old.shape[0], 8)).astype(float)
+    planned, kept = placement_from_phy2log(new, 8, 4), placement_from_phy2log(aligned, 8, 4)
+    np.testing.assert_allclose(np.sort(planned.rank_loads(loads), -1),
+                               np.sort(kept.rank_loads(loads), -1))  # same loads, other ranks
+    assert np.count_nonzero(aligned != old) <= np.count_nonzero(new != old)
+    # A plan that only relabels the current layout (ranks rotated, slots reversed) moves nothing.
+    relabelled = np.roll(old.reshape(old.shape[0], 4, per_rank)[:, :, ::-1], 1, axis=1).reshape(old.shape)
+    assert np.array_equal(align_to_current(old, relabelled, per_rank), old)
+
+
+def test_alignment_stays_within_nodes():
+    from deepinfer.moe.expert_moves import align_to_current
+    old = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])  # 4 ranks x 2 slots, nodes {0,1} and {2,3}
+    new = np.array([[4, 5, 6, 7, 0, 1, 2, 3]])  # node contents swapped: may not cross nodes
+    aligned = align_to_current(old, new, 2, ranks_per_node=2)
+    assert set(aligned[0, :4]) == {4, 5, 6, 7} and set(aligned[0, 4:]) == {0, 1, 2, 3}
