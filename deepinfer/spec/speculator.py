@@ -111,9 +111,13 @@ def _build_mtp(config: SpeculativeConfig, engine):
     if model_config.architecture != "deepseek_v3" or num_mtp < 1:
         raise ValueError("speculative method 'mtp' needs a DeepSeek-V3 checkpoint with "
                          "multi-token-prediction layers (num_nextn_predict_layers >= 1)")
+    weights = list(iter_mtp_weights(engine.source.checkpoint, model_config.num_hidden_layers))
+    if not weights:
+        raise ValueError(f"speculative method 'mtp': the checkpoint has no multi-token-prediction "
+                         f"layers (no model.layers.{model_config.num_hidden_layers}.* tensors)")
     with torch.device(engine.device):
         model = DeepseekV3MTP(model_config, engine.dtype)
-    model.load_weights(iter_mtp_weights(engine.source.checkpoint, model_config.num_hidden_layers))
+    model.load_weights(weights)
     model.eval()
     cache_config = dataclasses.replace(model_config, num_hidden_layers=1)
     logger.info("MTP drafter: layer %d of the checkpoint, %d speculative tokens",

@@ -97,3 +97,61 @@ def tiny_moe_model(kind: str, seed: int = 0, **overrides):
 def random_prompts(seed: int, lengths=(1, 7, 40)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def add_mtp_layer(directory, seed: int = 0, copy_head: bool = True, echo: bool = False) -> None:
+    """Append a DeepSeek-V3 multi-token-prediction layer to a tiny `save_pretrained`
+    checkpoint, as DeepSeek's releases store it (transformers writes none): tensors
+    `model.layers.{N}.*` (N = num_hidden_layers) shaped like the last decoder layer's, plus
+    `enorm`, `hnorm`, `eh_proj`, `embed_tokens` and `shared_head.{norm,head}`, and
+    `num_nextn_predict_layers: 1` in config.json. Random like the other weights; with
+    `copy_head` the MTP embedding and head are the model's own (as in DeepSeek-V3).
+    `echo`: a layer that predicts the token the target just predicted (eh_proj passes the
+    target's hidden state through, the block adds nothing, unit norms), so its drafts are
+    accepted exactly where the target repeats a token."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."
+    mtp = f"model.layers.{n}."
+    for name, t in list(tensors.items()):
+        if name.startswith(last):
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.2 * torch.randn(t.shape, generator=gen)
+            elif name.endswith("mlp.gate.weight"):
+                value = 0.5 * torch.randn(t.shape, generator=gen)
+            elif name.endswith("e_score_correction_bias"):
+                value = 0.3 * torch.randn(t.shape, generator=gen)
+            else:
+                value = 0.08 * torch.randn(t.shape, generator=gen)
+            tensors[mtp + name[len(last):]] = value.to(t.dtype).contiguous()
+    embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    extra = {
+        "enorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+        "hnorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+        "eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
+        "shared_head.norm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+        "embed_tokens.weight": embed.clone() if copy_head else 0.08 * torch.randn(embed.shape, generator=gen),
+        "shared_head.head.weight": head.clone() if copy_head else 0.4 * torch.randn(head.shape, generator=gen),
+    }
+    if echo:
+        extra["eh_proj.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            extra[name] = torch.ones(hidden)
+        for name in list(tensors):
+            if name.startswith(mtp) and name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = torch.zeros_like(tensors[name])
+    for name, value in extra.items():
+        tensors[mtp + name] = value.to(embed.dtype).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
