@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None,
                    help="model name reported by the API (default: the model's own)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods '
+                        'ngram | draft_model (with "model") | mtp (DeepSeek-V3)')
     return parser
 
 
@@ -49,7 +53,8 @@ def engine_config_from_args(args: argparse.Namespace):
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             num_threads=args.num_threads, scheduler=args.scheduler,
             step_time_budget_ms=args.step_time_budget_ms, cost_profile=args.cost_profile,
-            seed=args.seed, served_model_name=args.served_model_name)
+            seed=args.seed, served_model_name=args.served_model_name,
+            speculative_config=getattr(args, "speculative_config", None))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
 

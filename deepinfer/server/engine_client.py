@@ -12,6 +12,7 @@ queued for a dead engine can reach its successor.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
@@ -320,12 +321,16 @@ def _exit_message(exitcode: int | None) -> str:
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-             "prediction_abs_error_sum", "num_predicted_steps")
+             "prediction_abs_error_sum", "num_predicted_steps", "spec_decode_num_drafts",
+             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 def _add_counters(base: EngineStatsSnapshot, current: EngineStatsSnapshot
                   ) -> EngineStatsSnapshot:
     """`current` with the cumulative counters of `base` added (Prometheus counters must not
     go back to 0 when the engine is restarted)."""
-    return msgspec.structs.replace(current, **{
+    per_pos = [a + b for a, b in itertools.zip_longest(
+        base.spec_decode_num_accepted_tokens_per_pos,
+        current.spec_decode_num_accepted_tokens_per_pos, fillvalue=0)]
+    return msgspec.structs.replace(current, spec_decode_num_accepted_tokens_per_pos=per_pos, **{
         name: getattr(base, name) + getattr(current, name) for name in _COUNTERS})

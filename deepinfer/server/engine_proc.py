@@ -121,7 +121,11 @@ def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
         prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
         step_time_s=s.step_time_s, predicted_step_time_s=s.predicted_step_time_s,
         prediction_abs_error_sum=s.prediction_abs_error_sum,
-        num_predicted_steps=s.num_predicted_steps, num_requests_received=num_requests_received)
+        num_predicted_steps=s.num_predicted_steps, num_requests_received=num_requests_received,
+        spec_decode_num_drafts=s.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(s.spec_decode_num_accepted_tokens_per_pos))
 
 
 class EngineLoop:

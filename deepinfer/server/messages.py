@@ -108,6 +108,10 @@ class EngineStatsSnapshot(msgspec.Struct):
     prediction_abs_error_sum: float = 0.0  # sum over predicted steps of |pred - meas| / meas
     num_predicted_steps: int = 0
     num_requests_received: int = 0  # AddRequests consumed so far: lets the front size its queue
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

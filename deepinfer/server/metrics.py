@@ -54,10 +54,24 @@ class EngineStatsCollector:
                  "Cost-model error summed over predicted steps (|pred - meas| / meas).",
                  s.prediction_abs_error_sum),
                 ("step_time_prediction_steps", "Steps with a cost-model prediction.",
-                 s.num_predicted_steps)):
+                 s.num_predicted_steps),
+                # speculative decoding (vLLM's names); mean acceptance length =
+                # 1 + rate(accepted_tokens) / rate(drafts)
+                ("spec_decode_num_drafts", "Verifications of draft tokens.",
+                 s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s.spec_decode_num_accepted_tokens)):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels[0])
             counter.add_metric(labels[1], value)
             yield counter
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
 
 class EngineRestartsCollector:

@@ -142,3 +142,44 @@ def test_seeded_sampling_with_a_sampling_drafter_is_reproducible(make_engine_llm
     alone = generate_checked(llm, [PROMPTS[0]], params)[0].outputs[0].token_ids
     batched = generate_checked(llm, [PROMPTS[2], PROMPTS[0], PROMPTS[3]], params)
     assert batched[1].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("config", [ngram(3), {"method": "draft_model",
+                                               "num_speculative_tokens": 3}])
+def test_disaggregated_decode_engine_speculates_after_the_handoff(engine_base_llm, baseline,
+                                                                  config):
+    """In process, as the workers do it: a prefill engine samples the first token, its prompt
+    KV is copied into a `DisaggDecodeEngine` with speculation on (the draft model catches up
+    on the prompt it never saw), which must continue with the colocated tokens."""
+    import time
+
+    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
+    from deepinfer.engine.engine_config import EngineConfig
+
+    base = engine_base_llm.engine
+    prompt = list(baseline[1].prompt_token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    base.add_request("h", prompt, params)
+    first: list[int] = []
+    while not first:
+        for out in base.step():
+            first = list(out.outputs[0].token_ids)
+    kv = base.cache.read_blocks(base.scheduler.kv.block_ids("h"))
+    base.abort_request(["h"])
+    decode = DisaggDecodeEngine(
+        EngineConfig(model=None, dtype="float32", kv_cache_memory="64MiB", seed=3,
+                     speculative_config=config),
+        source=base.source, model=base.model, tokenizer=base.tokenizer)
+    block_ids = decode.add_transferred_request("h", prompt, params, time.monotonic(), first[0],
+                                               None)
+    decode.cache.write_blocks(block_ids, kv)
+    decode.admit_transferred("h")
+    final = None
+    for _ in range(4 * MAX_TOKENS):
+        for out in decode.step():
+            final = out if out.finished else final
+        if final is not None:
+            break
+    assert final is not None
+    assert final.outputs[0].token_ids == baseline[1].outputs[0].token_ids
+    assert decode.get_stats().spec_decode_num_accepted_tokens > 0
