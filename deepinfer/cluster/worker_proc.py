@@ -1,6 +1,7 @@
 """Process entry of one prefill or decode worker: build the engine, announce, loop."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -25,7 +26,8 @@ def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.kvstore import open_store
 
-    engine = LLMEngine(spec.engine_config)
+    # Speculative decoding runs on decode workers only: a prefill worker samples one token.
+    engine = LLMEngine(dataclasses.replace(spec.engine_config, speculative_config=None))
     transport = ZmqKVTransport(spec.host, serve=True)
     tier = None
     if spec.kv_store_url is not None:
