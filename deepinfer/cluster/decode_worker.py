@@ -74,8 +74,8 @@ class DecodeWorkerLoop(WorkerLoop):
                 continue
             if now > entry.deadline:
                 self._waiting_alloc.popleft()
-                self._fail(request_id, "no KV cache room on the decode worker before the "
-                                       "transfer timeout")
+                self._fail(request_id, "no KV cache room or sequence slot on the decode "
+                                       "worker before the transfer timeout")
                 continue
             m = entry.message
             try:

@@ -107,7 +107,7 @@ class Scheduler:
     # ---- disaggregated decode: admit a request prefilled elsewhere -------------------------
     def allocate_for_transfer(self, request: Request) -> list[int] | None:
         """Allocate blocks for a prompt whose KV will be written by a transfer; None when the
-        cache has no room now (nothing changes). `request.output_token_ids` holds the token
+        cache has no room now, or max_num_seqs sequences run or arrive (nothing changes). `request.output_token_ids` holds the token
         sampled by the prefill worker. The blocks join the prefix cache only on admission."""
         if request.request_id in self.requests or request.request_id in self.transferring:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -116,6 +116,8 @@ class Scheduler:
                              f"{self.config.max_model_len - 1}")
         request.max_model_len = self.config.max_model_len
         request.num_computed_tokens = 0
+        if len(self.running) + len(self.transferring) >= self.config.max_num_seqs:
+            return None  # admitting it would run more than max_num_seqs sequences
         if not self.kv.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False):
             return None
         self.transferring[request.request_id] = request

@@ -51,3 +51,25 @@ def test_no_room_changes_nothing_and_cancel_frees_blocks():
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # abort mid-transfer
     assert sched.kv.pool.num_used_blocks == 0 and not sched.transferring
     sched.check_invariants()
+
+
+def test_transfers_respect_max_num_seqs():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64),
+                      KVCacheManager(32, BS), TokenBudgetPolicy(64))
+    assert sched.allocate_for_transfer(prefilled("a", 5)) is not None
+    assert sched.allocate_for_transfer(prefilled("b", 5)) is not None
+    used = sched.kv.pool.num_used_blocks
+    assert sched.allocate_for_transfer(prefilled("c", 5)) is None  # room in KV, not in seqs
+    assert sched.kv.pool.num_used_blocks == used and "c" not in sched.transferring
+    sched.admit_transferred("a")
+    sched.admit_transferred("b")
+    sched.check_invariants()
+    assert sched.allocate_for_transfer(prefilled("c", 5)) is None
+    out = sched.schedule(0.0)
+    sched.update(out, StepResult({"a": 2, "b": 2}))  # max_tokens=4: not finished yet
+    sched.check_invariants()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert sched.allocate_for_transfer(prefilled("c", 5)) is not None
+    sched.admit_transferred("c")
+    assert sched.num_running == 2
+    sched.check_invariants()
