@@ -1,7 +1,8 @@
 """EPLB rebalance step, run by every rank of an EP group at the same step (between steps):
 
     window loads [layers, experts] ──all_reduce(sum)──▶ plan_placement (moe/eplb.py, pure)
-      ──▶ align_to_current (relabel ranks/slots: same loads, fewest changed slots)
+      ──▶ align_to_current (relabel ranks/slots: same loads, fewest changed slots); layers
+          whose balancedness would not gain MIN_BALANCEDNESS_GAIN keep their layout
       ──▶ plan_expert_moves (only slots whose expert changes) ──▶ point-to-point weight
       transfers (isend/irecv; local copies for experts the rank already holds)
       ──▶ every layer switches to the new map
@@ -24,6 +25,10 @@ from deepinfer.moe.eplb import ExpertPlacement, placement_from_phy2log, plan_pla
 from deepinfer.moe.expert_moves import ExpertMove, align_to_current, plan_expert_moves
 
 logger = logging.getLogger(__name__)
+
+# A layer keeps its layout unless the plan balances the window at least this much better:
+# plans of similar quality differ in many slots, and moving them buys nothing.
+MIN_BALANCEDNESS_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class ExpertRebalancer:
         # Relabel ranks and slots to keep what already sits in place (same balancedness).
         aligned = align_to_current(self.placement.phy2log, planned.phy2log, first.slots_per_rank,
                                    first.world_size // self.num_nodes)
+        gain = (placement_from_phy2log(aligned, first.num_experts, first.world_size)
+                .balancedness(loads) - self.placement.balancedness(loads))  # [layers]
+        aligned[gain < MIN_BALANCEDNESS_GAIN] = self.placement.phy2log[gain < MIN_BALANCEDNESS_GAIN]
         new = placement_from_phy2log(aligned, first.num_experts, first.world_size)
         before = self.placement.balancedness(loads)
         moves = plan_expert_moves(self.placement.phy2log, new.phy2log, first.slots_per_rank)

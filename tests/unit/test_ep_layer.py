@@ -82,7 +82,13 @@ def run(blocks: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def test_runtime_rebalance_moves_weights_and_keeps_outputs():
+@pytest.fixture
+def always_apply_plans(monkeypatch):
+    """One rank is always balanced, so no plan gains: let every plan through to test moves."""
+    monkeypatch.setattr("deepinfer.moe.rebalancer.MIN_BALANCEDNESS_GAIN", -1.0)
+
+
+def test_runtime_rebalance_moves_weights_and_keeps_outputs(always_apply_plans):
     model = tiny_moe_model()
     x = torch.randn(12, H)
     want = run(model, x)
@@ -119,3 +125,26 @@ def test_log_balancedness_logs_every_step(caplog):
     with caplog.at_level("INFO", logger="deepinfer.moe.expert_parallel"):
         runtime.end_step()
     assert "EPLB step 1: balancedness 1.000" in caplog.text  # one rank is always balanced
+
+
+def test_a_plan_that_gains_nothing_moves_nothing():
+    model = tiny_moe_model()
+    runtime = ExpertParallelRuntime(model, 0, 1, eplb=EPLBConfig(num_redundant_experts=4),
+                                    num_redundant_experts=4)
+    run(model, torch.randn(40, H))
+    runtime.end_step()
+    report = runtime.rebalance_now()  # one rank: balancedness is 1 before and after
+    assert report.num_moved_slots == 0 and report.balancedness_before == [1.0, 1.0]
+
+
+def test_a_second_rebalance_on_the_same_loads_moves_nothing(always_apply_plans):
+    model = tiny_moe_model()
+    runtime = ExpertParallelRuntime(model, 0, 1, eplb=EPLBConfig(window_size=10, step_interval=100,
+                                                                  num_redundant_experts=4),
+                                    num_redundant_experts=4)
+    run(model, torch.randn(40, H))
+    runtime.end_step()
+    first = runtime.rebalance_now()
+    assert first.num_moved_slots > 0
+    again = runtime.rebalance_now()  # same window, same plan: aligned to itself, no move
+    assert again.num_moved_slots == 0 and again.moved_bytes == 0
