@@ -9,7 +9,8 @@ import sys
 
 from deepinfer.cli.errors import CLIError
 
-SUBCOMMANDS = ("generate", "serve", "bench", "profile", "simulate", "plan", "economics")
+SUBCOMMANDS = ("generate", "serve", "bench", "profile", "simulate", "plan", "economics",
+               "scale")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -35,11 +35,16 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-staging-memory", default="2GiB", metavar="SIZE",
                    help="host memory each prefill worker may hold for KV not yet pulled by a "
                         "decode worker; beyond it prompts wait and the router looks elsewhere")
+    from deepinfer.cluster.launcher import add_placement_args
+    add_placement_args(parser)  # --cluster local|ray|ray://..., per-role Ray resources
 
 
 def cluster_client_from_args(args: argparse.Namespace, engine_config):
     """A `DisaggClient` when worker counts are given, else None (colocated serving)."""
     if args.prefill_workers is None and args.decode_workers is None:
+        if getattr(args, "cluster", "local") != "local":
+            raise ValueError(f"--cluster {args.cluster} places disaggregated workers: give "
+                             f"--prefill-workers and --decode-workers")
         return None
     if args.prefill_workers is None or args.decode_workers is None:
         raise ValueError("--prefill-workers and --decode-workers go together")
@@ -54,6 +59,8 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
     if store_url not in (None, "none"):
         from deepinfer.kvstore import open_store
         open_store(store_url, b"\0" * 16).close()  # validate the URL now
+    from deepinfer.cluster.launcher import launcher_from_args, placement_config
+    launcher = launcher_from_args(args)  # --cluster ray: connects to (or starts) Ray here
     cluster = ClusterConfig(
         num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
         kv_store_url=store_url, prefill_router=args.prefill_router,
@@ -62,8 +69,9 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         loop_stall_timeout_s=getattr(args, "loop_stall_timeout", 30.0),
         max_staged_bytes=parse_memory(getattr(args, "kv_staging_memory", "2GiB")),
         # serve's --max-engine-restarts also bounds restarts of each lost worker
-        max_worker_restarts=getattr(args, "max_engine_restarts", 5))
-    return DisaggClient(engine_config, cluster)
+        max_worker_restarts=getattr(args, "max_engine_restarts", 5),
+        **placement_config(args, launcher))
+    return DisaggClient(engine_config, cluster, launcher=launcher)
 
 
 def _store_url_with_capacity(args: argparse.Namespace) -> str | None:

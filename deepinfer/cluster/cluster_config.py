@@ -46,6 +46,8 @@ class ClusterConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     restart_stable_after_s: float = 60.0
+    kv_store_shared: bool = False  # an fs store path every node mounts (multi-node)
+    drain_timeout_s: float = 120.0  # a worker removed by scaling finishes its requests first
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -59,7 +61,8 @@ class ClusterConfig:
         if self.heartbeat_timeout_s <= self.report_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed report_interval_s")
         for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s",
-                     "loop_stall_timeout_s", "hung_restart_after_s", "max_staged_bytes"):
+                     "loop_stall_timeout_s", "hung_restart_after_s", "max_staged_bytes",
+                     "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.restart_policy  # validates the restart fields

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import pickle
 import time
@@ -43,7 +42,7 @@ from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequ
                                         make_encoder,
                                         worker_message_decoder)
 from deepinfer.cluster.worker_handle import WorkerHandle
-from deepinfer.cluster.worker_proc import run_worker_proc
+from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
@@ -88,9 +87,12 @@ class _Track:
 
 
 class DisaggClient:
-    def __init__(self, engine_config, cluster: ClusterConfig) -> None:
+    def __init__(self, engine_config, cluster: ClusterConfig,
+                 launcher: WorkerLauncher | None = None) -> None:
         self.engine_config = engine_config
         self.cluster = cluster
+        self.launcher = launcher or LocalLauncher()  # where workers run (local, Ray)
+        self.scaler = None  # worker_scaling.WorkerScaler, made on the first scale()
         self.model_name = ""
         self.max_model_len = 0
         self.vocab_size = 0
@@ -136,13 +138,12 @@ class DisaggClient:
 
     async def start(self) -> None:
         """Spawn every worker and wait until all have loaded the model."""
-        ctx = multiprocessing.get_context("spawn")
+        self.launcher.check(self.cluster)
         handles = [self._make_handle("prefill", i) for i in range(self.cluster.num_prefill_workers)]
         handles += [self._make_handle("decode", i) for i in range(self.cluster.num_decode_workers)]
         for handle in handles:
             self.workers[handle.worker_id] = handle
-            handle.proc = ctx.Process(target=run_worker_proc, args=(handle.spec,),
-                                      name=f"deepinfer-{handle.worker_id}", daemon=True)
+            handle.proc = self.launcher.process(handle.spec)
             handle.proc.start()
         await self._wait_ready()
         now = time.monotonic()
@@ -201,6 +202,18 @@ class DisaggClient:
             handle.input_socket.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
+        self.launcher.close()
+
+    async def scale(self, role: str, count: int, wait: bool = True) -> dict:
+        """Add or remove `role` workers while serving (removed ones drain first)."""
+        from deepinfer.cluster.worker_scaling import WorkerScaler
+        self.scaler = self.scaler or WorkerScaler(self)
+        return (await self.scaler.scale(role, count, wait)).to_dict()
+
+    def describe_workers(self) -> list[dict]:
+        """Each worker's role, state and placement (GET /admin/workers)."""
+        from deepinfer.cluster.worker_scaling import describe_workers
+        return describe_workers(self)
 
     def register_metrics(self, registry) -> None:
         """Expose per-worker metrics on the server's Prometheus registry."""
@@ -594,9 +607,7 @@ class DisaggClient:
         handle.ready = handle.load = handle.last_report = None
         handle.counters = WorkerCounters()  # a new process counts from zero
         handle.request_ids.clear()
-        ctx = multiprocessing.get_context("spawn")
-        handle.proc = ctx.Process(target=run_worker_proc, args=(handle.spec,),
-                                  name=f"deepinfer-{worker_id}", daemon=True)
+        handle.proc = self.launcher.process(handle.spec)
         self.supervisor.on_started(worker_id, time.monotonic())
         try:
             handle.proc.start()
@@ -604,7 +615,7 @@ class DisaggClient:
             handle.proc = None
             self._on_worker_lost(handle, f"could not spawn: {exc}")
             return
-        logger.warning("restarting %s (pid %d)", worker_id, handle.proc.pid)
+        logger.warning("restarting %s (pid %s)", worker_id, handle.proc.pid)
 
     def _on_worker_restart_ready(self, ready: WorkerReady) -> None:
         handle = self.workers.get(ready.worker_id)

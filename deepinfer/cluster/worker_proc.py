@@ -65,7 +65,8 @@ def _heartbeat_thread(spec: WorkerSpec, ctx: zmq.Context, loop, stop: threading.
 def run_worker_proc(spec: WorkerSpec) -> None:
     """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
     (after sending `WorkerFailed`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
+    if threading.current_thread() is threading.main_thread():  # a Ray actor runs it in a thread
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {spec.worker_id}: %(message)s")
     ctx = zmq.Context()

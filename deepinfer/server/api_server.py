@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front: FastAPI routes over an `EngineClient`, served by uvicorn.
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions. Every error is an OpenAI-style body (see `errors.APIError`).
+POST /v1/chat/completions, and (disaggregated) POST /admin/scale, GET /admin/workers
+(`admin_routes`). Every error is an OpenAI-style body (see `errors.APIError`).
 A client that disconnects (streaming or not) cancels its handler, which aborts its engine
 request and so frees its KV blocks.
 """
@@ -96,15 +97,15 @@ def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
 
 
 class ApiKeyMiddleware:
-    """401 for /v1/* requests without `Authorization: Bearer <api_key>`. Pure ASGI (not
-    BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
+    """401 for /v1/* and /admin/* requests without `Authorization: Bearer <api_key>`. Pure
+    ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/admin")):
             headers = dict(scope.get("headers") or [])
             header = headers.get(b"authorization", b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
@@ -185,6 +186,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
                          **_error_responses()})
     async def chat_completions(raw_request: Request) -> Response:
         return await serve(raw_request, ChatCompletionRequest, chat)
+
+    from deepinfer.server.admin_routes import add_admin_routes
+    add_admin_routes(app, client, config.api_key)  # POST /admin/scale, GET /admin/workers
 
     app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest])
     return app

@@ -1,0 +1,327 @@
+"""`RayLauncher`: prefill/decode workers as Ray actors (`deepinfer serve --cluster ray`).
+
+Only placement, discovery and lifecycle move to Ray; each actor runs the same
+`worker_proc.run_worker_proc` loop (in a thread of the actor process) and talks ZMQ to the
+front exactly like a local worker process:
+
+- placement: each role's actor options (`num_cpus`, `num_gpus`, `memory`, custom resources
+  such as `prefill_node`) come from `--prefill-resources` / `--decode-resources`; a role no
+  alive node can host is refused at start instead of waiting forever.
+- discovery: the actor replaces the spec's host with its node's IP (from Ray), so the KV
+  endpoint it announces in `WorkerReady` is reachable from other nodes; the front binds its
+  sockets on its own node's IP (`front_host`).
+- lifecycle: actors have `max_restarts=0`; `DisaggClient`'s supervisor restarts a lost worker
+  (one restart policy, one back-off, one metric for both launchers, never two restarters).
+  An actor's death is seen through Ray (its pending `wait()` call fails) as well as through
+  missed heartbeats. A clean exit (ShutdownWorker, a failure) kills the actor, releasing its
+  resources.
+
+Ray is imported only here; `import ray` happens when a `RayLauncher` is made."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from deepinfer.cluster.worker_spec import CLUSTER_ROLES, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+ACTOR_MAX_CONCURRENCY = 4  # start / wait / ping next to each other (threaded actor)
+RESOURCES_HELP = ("JSON object of Ray resources per worker of this role: num_cpus, num_gpus, "
+                  "memory (bytes) and custom resources, e.g. "
+                  "'{\"num_gpus\": 1, \"prefill_node\": 1}'")
+_STANDARD = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    """What one worker of a role asks Ray for. `num_gpus=None`: one GPU when the cluster has
+    any, else none."""
+
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+    memory: int | None = None
+    custom: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        values = [self.num_cpus, self.num_gpus, self.memory, *self.custom.values()]
+        if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or v < 0) for v in values):
+            raise ValueError(f"Ray resources must be non-negative numbers, got {self}")
+
+    @classmethod
+    def parse(cls, text: str | None, flag: str) -> RoleResources:
+        """From a `--<role>-resources` JSON object (None: the defaults)."""
+        if text is None:
+            return cls()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not JSON ({exc.msg}): {text!r}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{flag}: expected a JSON object, got {text!r}")
+        known = {k: data.pop(k) for k in list(data) if k in _STANDARD}
+        for name in data:
+            if name in _STANDARD.values():
+                raise ValueError(f"{flag}: write {name!r} as "
+                                 f"{[k for k, v in _STANDARD.items() if v == name][0]!r}")
+        try:
+            return cls(custom={str(k): v for k, v in data.items()}, **known)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+
+    def request(self, cluster_has_gpus: bool) -> dict[str, float]:
+        """The resource request in Ray's node-resource names (CPU, GPU, memory, custom)."""
+        gpus = (1.0 if cluster_has_gpus else 0.0) if self.num_gpus is None else self.num_gpus
+        out = {"CPU": float(self.num_cpus), "GPU": float(gpus), **self.custom}
+        if self.memory:
+            out["memory"] = float(self.memory)
+        return {k: v for k, v in out.items() if v}
+
+    def actor_options(self, cluster_has_gpus: bool) -> dict:
+        request = self.request(cluster_has_gpus)
+        options = {"num_cpus": request.get("CPU", 0.0), "num_gpus": request.get("GPU", 0.0)}
+        if "memory" in request:
+            options["memory"] = request["memory"]
+        custom = {k: v for k, v in request.items() if k not in _STANDARD.values()}
+        if custom:
+            options["resources"] = custom
+        return options
+
+
+def nodes_that_fit(request: dict[str, float], nodes: list[dict]) -> list[dict]:
+    """Alive nodes (`ray.nodes()` entries) whose total resources can hold `request`."""
+    return [n for n in nodes if n.get("Alive") and all(
+        n.get("Resources", {}).get(name, 0.0) >= amount for name, amount in request.items())]
+
+
+def is_node_local_store(url: str | None) -> bool:
+    """An fs store (a directory on the machine that opens it), as opposed to Redis or none."""
+    if url in (None, "none"):
+        return False
+    base = url.strip().partition("?")[0]
+    return base == "fs" or base.startswith(("fs://", "/", "~"))
+
+
+def check_store_locality(store_url: str | None, shared: bool, prefill_nodes: list[dict]) -> None:
+    """Prefill workers on different machines cannot share a node-local directory: each would
+    see only its own blocks (and a restarted worker on another node none of them)."""
+    if not is_node_local_store(store_url) or shared or len(prefill_nodes) <= 1:
+        return
+    names = ", ".join(sorted(n.get("NodeManagerAddress", n.get("NodeID", "?"))
+                             for n in prefill_nodes))
+    raise ValueError(
+        f"--kv-store {store_url} is a directory local to each machine, but prefill workers may "
+        f"be placed on {len(prefill_nodes)} Ray nodes ({names}); use a Redis store "
+        f"(--kv-store redis://HOST:PORT/0), a path every node mounts (with --kv-store-shared), "
+        f"--kv-store none, or pin prefill workers to one node with --prefill-resources")
+
+
+class WorkerActor:
+    """The Ray actor of one worker: `start` runs `run_worker_proc` in a thread and returns at
+    once with where it runs; `wait` returns the loop's exit code when it ends."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._done = threading.Event()
+        self._exit_code: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> dict:
+        import ray
+        ip = ray.util.get_node_ip_address()
+        # This node's IP, not 127.0.0.1: the KV endpoint must be reachable from other nodes.
+        # No parent pid: the front is not our parent; Ray ends the actor with its owner.
+        spec = dataclasses.replace(self.spec, host=ip, parent_pid=None)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(spec,),
+                                            name=f"deepinfer-{spec.worker_id}", daemon=True)
+            self._thread.start()
+        context = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": context.get_node_id(), "node_ip": ip,
+                "actor_id": context.get_actor_id()}
+
+    def _run(self, spec: WorkerSpec) -> None:
+        from deepinfer.cluster.worker_proc import run_worker_proc
+        code = 0
+        try:
+            run_worker_proc(spec)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # already reported to the front as WorkerFailed where possible
+            logger.exception("%s: worker loop failed", spec.worker_id)
+            code = 1
+        self._exit_code = code
+        self._done.set()
+
+    def wait(self) -> int:
+        self._done.wait()
+        return self._exit_code
+
+    def ping(self) -> bool:
+        return True
+
+
+class RayWorkerProcess:
+    """`WorkerProcess` over one actor. Liveness comes from Ray: the actor's pending `wait()`
+    resolves when the loop ends and fails when the actor (or its node) dies."""
+
+    def __init__(self, actor_class, spec: WorkerSpec, options: dict) -> None:
+        self.spec = spec
+        self.name = f"deepinfer-{spec.worker_id}"
+        self._actor_class, self._options = actor_class, options
+        self.actor = None
+        self._info_ref = self._wait_ref = None
+        self._info: dict | None = None
+        self._exitcode: int | None = None
+        self.death_cause: str | None = None
+
+    def start(self) -> None:
+        try:
+            self.actor = self._actor_class.options(**self._options).remote(self.spec)
+            self._info_ref = self.actor.start.remote()
+            self._wait_ref = self.actor.wait.remote()
+        except Exception as exc:  # the front treats OSError as "could not spawn, back off"
+            raise OSError(f"Ray could not create the actor of {self.spec.worker_id}: {exc}") \
+                from exc
+
+    @property
+    def info(self) -> dict | None:
+        """pid / node_id / node_ip / actor_id once the actor runs (never blocks)."""
+        import ray
+        if self._info is None and self._info_ref is not None:
+            ready, _ = ray.wait([self._info_ref], timeout=0)
+            if ready:
+                try:
+                    self._info = ray.get(self._info_ref)
+                except Exception:  # died before it answered
+                    self._info = {}
+        return self._info or None
+
+    @property
+    def pid(self) -> int | None:
+        info = self.info
+        return None if info is None else info.get("pid")
+
+    @property
+    def exitcode(self) -> int | None:
+        self.is_alive()
+        return self._exitcode
+
+    def is_alive(self) -> bool:
+        import ray
+        if self._wait_ref is None:
+            return False
+        if self._exitcode is not None:
+            return False
+        ready, _ = ray.wait([self._wait_ref], timeout=0)
+        if ready:
+            self._on_end()
+        return self._exitcode is None
+
+    def _on_end(self) -> None:
+        import ray
+        try:
+            self._exitcode = int(ray.get(self._wait_ref))
+        except Exception as exc:  # RayActorError: killed, crashed, or its node is gone
+            self._exitcode = -9
+            self.death_cause = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                type(exc).__name__
+            logger.warning("Ray actor of %s died: %s", self.spec.worker_id, self.death_cause)
+        ray.kill(self.actor, no_restart=True)  # a loop that ended leaves an idle actor
+
+    def kill(self) -> None:
+        import ray
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+        if self._wait_ref is not None:
+            ray.wait([self._wait_ref], timeout=timeout)
+            self.is_alive()
+
+
+def _route_ip_to(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+class RayLauncher:
+    """Connects to Ray (an already initialised Ray, `address`, RAY_ADDRESS, a cluster started
+    with `ray start` on this machine, else a new local one) and places workers as actors."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, role_resources: dict | None = None,
+                 kv_store_shared: bool = False, front_host: str | None = None,
+                 init_kwargs: dict | None = None) -> None:
+        import ray
+        role_resources = dict(role_resources or {})
+        unknown = set(role_resources) - set(CLUSTER_ROLES)
+        if unknown:
+            raise ValueError(f"no worker role {sorted(unknown)}; roles: {CLUSTER_ROLES}")
+        self.role_resources = {r: role_resources.get(r) or RoleResources() for r in CLUSTER_ROLES}
+        self.kv_store_shared = kv_store_shared
+        self.address = address
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            kwargs = dict(init_kwargs or {})
+            if address is not None:
+                kwargs["address"] = address
+            try:
+                ray.init(**kwargs)
+            except ConnectionError as exc:
+                raise ValueError(f"cannot connect to Ray at "
+                                 f"{address or os.environ.get('RAY_ADDRESS')}: {exc}") from None
+        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        if front_host is not None:
+            self._front_host = front_host
+        elif address is not None and address.startswith("ray://"):  # the driver is here
+            self._front_host = _route_ip_to(address[len("ray://"):].rsplit(":", 1)[0])
+        else:
+            self._front_host = ray.util.get_node_ip_address()
+        self._actor_class = ray.remote(max_restarts=0, max_task_retries=0,
+                                       max_concurrency=ACTOR_MAX_CONCURRENCY)(WorkerActor)
+
+    def front_host(self) -> str:
+        """Where the front binds its sockets: an address every worker node can reach."""
+        return self._front_host
+
+    def role_request(self, role: str) -> dict[str, float]:
+        return self.role_resources[role].request(self._has_gpus)
+
+    def check(self, cluster) -> None:
+        """Refuse what cannot work: a role no alive node can host (the actor would wait
+        forever), a node-local fs store shared by prefill workers on several nodes."""
+        import ray
+        if getattr(cluster, "cpu_affinity", False):
+            raise ValueError("--cpu-affinity pins cores of this machine; on Ray a worker's "
+                             "cores come from num_cpus in --prefill/--decode-resources")
+        nodes = ray.nodes()
+        for role in CLUSTER_ROLES:
+            if not nodes_that_fit(self.role_request(role), nodes):
+                raise ValueError(f"no alive Ray node can host a {role} worker asking for "
+                                 f"{self.role_request(role)}; cluster resources: "
+                                 f"{ray.cluster_resources()}")
+        check_store_locality(cluster.store_url, self.kv_store_shared or cluster.kv_store_shared,
+                             nodes_that_fit(self.role_request("prefill"), nodes))
+
+    def process(self, spec: WorkerSpec) -> RayWorkerProcess:
+        options = self.role_resources[spec.role].actor_options(self._has_gpus)
+        return RayWorkerProcess(self._actor_class, spec, options)
+
+    def placement(self, proc: RayWorkerProcess) -> dict:
+        return {"launcher": self.name, **(proc.info or {}), "resources": proc._options}
+
+    def close(self) -> None:
+        import ray
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,56 @@
+"""Admin routes of a disaggregated server: scale workers while serving, list them.
+
+    POST /admin/scale    {"role": "decode", "count": 2, "wait": true}  -> what was added/removed
+    GET  /admin/workers  -> each worker's role, state, requests and placement
+
+With --api-key they need the key (like /v1/*); without one they answer only to this machine
+(loopback), since they change what the server runs."""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deepinfer.server.errors import APIError, from_validation_error
+
+LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
+MAX_SCALE_COUNT = 1024
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode"]
+    count: int = Field(ge=1, le=MAX_SCALE_COUNT)
+    wait: bool = True  # until added workers serve and removed ones are drained
+
+
+def add_admin_routes(app: FastAPI, client, api_key: str | None) -> None:
+    def check_access(raw_request: Request) -> None:
+        if not api_key and (raw_request.client is None
+                            or raw_request.client.host not in LOOPBACK_HOSTS):
+            raise APIError(403, "admin endpoints without --api-key answer only to this machine",
+                           type="permission_error")
+        if not hasattr(client, "scale"):
+            raise APIError(501, "scaling needs disaggregated serving (--prefill-workers N "
+                           "--decode-workers M)", type="not_implemented_error")
+
+    @app.post("/admin/scale")
+    async def scale(raw_request: Request) -> JSONResponse:
+        check_access(raw_request)
+        try:
+            request = ScaleRequest.model_validate_json(await raw_request.body())
+        except ValidationError as e:
+            return from_validation_error(e).to_response()
+        try:
+            result = await client.scale(request.role, request.count, wait=request.wait)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse({**result, "workers": client.describe_workers()})
+
+    @app.get("/admin/workers")
+    async def workers(raw_request: Request) -> JSONResponse:
+        check_access(raw_request)
+        return JSONResponse({"workers": client.describe_workers()})

@@ -1,0 +1,208 @@
+"""Disaggregated workers as Ray actors (`RayLauncher`) on a Ray cluster started by the test:
+a head without CPUs for workers and two fake nodes, one offering `prefill_node`, one
+`decode_node`. Greedy outputs equal the colocated engine (which the local launcher's P/D
+outputs equal, test_disagg_cluster.py); workers land on the nodes their role's resources
+name; a killed actor is seen through Ray, restarted and re-admitted with no request left
+hanging and no KV left allocated; decode scales 1 -> 2 -> 1 under load without losing a
+request; refused deployments fail at start with one clear line."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from deepinfer.cluster.cluster_config import ClusterConfig  # noqa: E402
+from deepinfer.cluster.disagg_client import DisaggClient  # noqa: E402
+from deepinfer.cluster.ray_launcher import RayLauncher, RoleResources  # noqa: E402
+from deepinfer.sampling_params import SamplingParams  # noqa: E402
+from tests.integration.disagg_harness import ENGINE, ClusterHarness  # noqa: E402
+from tests.integration.prompt_corpus import _corpus_from  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ROLE_RESOURCES = {"prefill": RoleResources(custom={"prefill_node": 1}),
+                  "decode": RoleResources(custom={"decode_node": 1})}
+READY_DEADLINE_S = 240.0  # a model load on a saturated 2-core box
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A head (no CPUs: nothing of ours runs there) and two fake worker nodes."""
+    from ray.cluster_utils import Cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+    nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill_node": 2}),
+             "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 3})}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    node_ids = {role: node.node_id for role, node in nodes.items()}
+    yield node_ids
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class RayHarness(ClusterHarness):
+    """`ClusterHarness` whose client places workers through a `RayLauncher`."""
+
+    def __init__(self, cluster: ClusterConfig, launcher: RayLauncher) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.client = DisaggClient(ENGINE, cluster, launcher=launcher)
+        self.run(self.client.start(), timeout=READY_DEADLINE_S)
+
+
+def make_harness(num_prefill: int, num_decode: int, **overrides) -> RayHarness:
+    launcher = RayLauncher(role_resources=ROLE_RESOURCES)
+    config = dict(num_prefill_workers=num_prefill, num_decode_workers=num_decode,
+                  kv_store_url="none", host=launcher.front_host(), heartbeat_timeout_s=10.0,
+                  stall_timeout_s=90.0, restart_backoff_s=0.2, drain_timeout_s=120.0)
+    config.update(overrides)
+    return RayHarness(ClusterConfig(**config), launcher)
+
+
+def prompts_for(harness, tag: str, starts) -> dict[str, list[int]]:
+    encode = harness.client.tokenizer.encode
+    return {f"{tag}-{i}": encode(_corpus_from(i))[:16 + 5 * i] for i in starts}
+
+
+def reference(engine_base_llm, prompts: dict[str, list[int]], params=GREEDY) -> dict:
+    outs = engine_base_llm.generate([{"prompt_token_ids": p} for p in prompts.values()],
+                                    params, use_tqdm=False)
+    return {rid: o.outputs[0].token_ids for rid, o in zip(prompts, outs)}
+
+
+def assert_equal_outputs(results: dict, want: dict) -> None:
+    for rid, got in results.items():
+        assert got["error"] is None and got["tokens"] == want[rid], (rid, got, want[rid])
+
+
+def placed_nodes(harness) -> dict[str, str]:
+    """worker id -> the Ray node its actor runs on (as the actor read it from Ray)."""
+    return {wid: h.proc.info["node_id"] for wid, h in harness.client.workers.items()}
+
+
+def wait_all_idle(harness) -> None:
+    harness.wait_for(lambda: harness.is_idle(list(harness.client.workers)), timeout=60,
+                     what="every worker idle with no KV blocks in use")
+
+
+def test_refused_deployments_fail_at_start_with_one_line(ray_cluster):
+    """No model is loaded: the launcher's checks run before any actor is placed."""
+    anywhere = RayLauncher()  # default: 1 CPU, fits either worker node
+    with pytest.raises(ValueError, match="--kv-store-shared") as exc:
+        anywhere.check(ClusterConfig(kv_store_url="fs:///tmp/deepinfer-local-store"))
+    assert "2 Ray nodes" in str(exc.value) and "\n" not in str(exc.value)
+    anywhere.check(ClusterConfig(kv_store_url="fs:///mnt/shared", kv_store_shared=True))
+    anywhere.check(ClusterConfig(kv_store_url="redis://10.0.0.5:6379/0"))
+    pinned = RayLauncher(role_resources=ROLE_RESOURCES)  # prefill on one node: fs is fine
+    pinned.check(ClusterConfig(kv_store_url="fs:///tmp/deepinfer-local-store"))
+    nowhere = RayLauncher(role_resources={"decode": RoleResources(custom={"tpu_node": 1})})
+    with pytest.raises(ValueError, match="no alive Ray node can host a decode worker"):
+        nowhere.check(ClusterConfig(kv_store_url="none"))
+
+
+def test_p2_d2_on_ray_equals_colocated_and_follows_role_resources(ray_cluster, engine_base_llm):
+    harness = make_harness(2, 2)
+    try:
+        placed = placed_nodes(harness)
+        assert placed == {"prefill-0": ray_cluster["prefill"], "prefill-1": ray_cluster["prefill"],
+                          "decode-0": ray_cluster["decode"], "decode-1": ray_cluster["decode"]}
+        for handle in harness.client.workers.values():  # endpoints are the node's IP
+            assert handle.spec.input_addr.startswith(f"tcp://{harness.client.cluster.host}:")
+            if handle.role == "prefill":
+                assert handle.ready.kv_addr.startswith(f"tcp://{handle.proc.info['node_ip']}:")
+        prompts = prompts_for(harness, "p2d2", range(8))
+        results = harness.generate_many(prompts, GREEDY, timeout=300)
+        assert_equal_outputs(results, reference(engine_base_llm, prompts))
+        used = {p for p, _ in harness.client.placements.values()} | \
+            {d for _, d in harness.client.placements.values()}
+        assert used == set(placed), "every worker served"
+        wait_all_idle(harness)
+    finally:
+        harness.close()
+    harness.wait_for(lambda: not any(h.proc.is_alive() for h in harness.client.workers.values()),
+                     timeout=30, what="actors gone after shutdown")
+
+
+@pytest.fixture(scope="module")
+def p1d1(ray_cluster):
+    harness = make_harness(1, 1)
+    yield harness
+    harness.close()
+
+
+def test_p1_d1_on_ray_equals_colocated(p1d1, ray_cluster, engine_base_llm):
+    assert placed_nodes(p1d1) == {"prefill-0": ray_cluster["prefill"],
+                                  "decode-0": ray_cluster["decode"]}
+    prompts = prompts_for(p1d1, "p1d1", range(4))
+    assert_equal_outputs(p1d1.generate_many(prompts, GREEDY, timeout=300),
+                         reference(engine_base_llm, prompts))
+
+
+def test_killed_decode_actor_under_load_is_restarted_and_readmitted(p1d1, engine_base_llm):
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = prompts_for(p1d1, "kill", range(4))
+    future = p1d1.submit_many(prompts, long)
+    client = p1d1.client
+    p1d1.wait_for(lambda: any((client.placements.get(r) or [None, None])[1] == "decode-0"
+                              for r in prompts), timeout=120, what="a request on decode-0")
+    old = client.workers["decode-0"].proc
+    ray.kill(old.actor, no_restart=True)
+    p1d1.wait_for(lambda: not client.workers["decode-0"].alive, timeout=30,
+                  what="decode-0 out of routing")
+    assert old.death_cause is not None  # seen through Ray (the actor's wait() failed)
+    results = future.result(timeout=120)  # no request hangs
+    done = {rid: prompts[rid] for rid, got in results.items() if got["error"] is None}
+    want = reference(engine_base_llm, done, long) if done else {}
+    for rid, got in results.items():
+        if got["error"] is None:
+            assert got["tokens"] == want[rid], rid
+        else:
+            # streaming on decode-0, or finished prefill while no decode worker was left
+            assert "decode worker decode-0 was lost" in got["error"] or \
+                "no decode worker available" in got["error"], got
+    assert any(got["error"] for got in results.values()), "the kill hit a request"
+    p1d1.wait_for(lambda: client.workers["decode-0"].alive, timeout=READY_DEADLINE_S,
+                  what="decode-0 restarted and re-admitted")
+    new = client.workers["decode-0"].proc
+    assert new.actor._actor_id != old.actor._actor_id
+    assert client.supervisor.num_restarts["decode"] == 1
+    after = prompts_for(p1d1, "after-kill", range(4, 6))
+    assert_equal_outputs(p1d1.generate_many(after, GREEDY, timeout=300),
+                         reference(engine_base_llm, after))
+    wait_all_idle(p1d1)
+
+
+def test_scaling_decode_1_2_1_under_load_loses_no_request(p1d1, engine_base_llm):
+    client = p1d1.client
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = prompts_for(p1d1, "scale-up", range(4))
+    load = p1d1.submit_many(first, params)
+    out = p1d1.run(client.scale("decode", 2), timeout=READY_DEADLINE_S)
+    assert out["added"] == ["decode-1"] and out["not_ready"] == []
+    assert placed_nodes(p1d1)["decode-1"] == placed_nodes(p1d1)["decode-0"]  # decode_node
+    second = prompts_for(p1d1, "on-two", range(4, 9))
+    results = load.result(timeout=300) | p1d1.generate_many(second, params, timeout=300)
+    assert any(client.placements[r][1] == "decode-1" for r in second), "decode-1 served"
+    # Scale back down while requests run on both decode workers: decode-1 drains.
+    third = prompts_for(p1d1, "scale-down", range(9, 13))
+    load = p1d1.submit_many(third, params)
+    p1d1.wait_for(lambda: any((client.placements.get(r) or [None, None])[1] == "decode-1"
+                              for r in third), timeout=120, what="a request on decode-1")
+    removed = client.workers["decode-1"]
+    out = p1d1.run(client.scale("decode", 1), timeout=300)
+    assert out["removed"] == ["decode-1"] and out["num_released"] == 0
+    results |= load.result(timeout=300)
+    assert_equal_outputs(results, reference(engine_base_llm, {**first, **second, **third}, params))
+    assert sorted(client.workers) == ["decode-0", "prefill-0"]
+    p1d1.wait_for(lambda: not removed.proc.is_alive(), timeout=30, what="decode-1 actor gone")
+    assert removed.proc.exitcode == 0  # it finished and exited cleanly (ShutdownWorker)
+    wait_all_idle(p1d1)
