@@ -21,6 +21,13 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="most bytes the fs prefix store keeps, least recently used blocks "
                         "evicted first, e.g. 64GiB (default 16GiB for all models under its "
                         "root; Redis: the server's maxmemory)")
+    g.add_argument("--kv-host-cache", default=None, metavar="SIZE",
+                   help="host-memory tier per prefill worker in front of the shared store: "
+                        "recently used blocks in DRAM, least recently used evicted, e.g. 2GiB")
+    g.add_argument("--cpu-affinity", action="store_true",
+                   help="pin each worker process to its own cores (disjoint groups of the "
+                        "cores this process may use; shared round-robin when fewer cores "
+                        "than workers)")
     g.add_argument("--prefill-router", default=DEFAULT_PREFILL_POLICY,
                    choices=sorted(PREFILL_POLICIES))
     g.add_argument("--decode-router", default=DEFAULT_DECODE_POLICY,
@@ -70,12 +77,25 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         max_staged_bytes=parse_memory(getattr(args, "kv_staging_memory", "2GiB")),
         # serve's --max-engine-restarts also bounds restarts of each lost worker
         max_worker_restarts=getattr(args, "max_engine_restarts", 5),
+        cpu_affinity=getattr(args, "cpu_affinity", False),
         **placement_config(args, launcher))
     return DisaggClient(engine_config, cluster, launcher=launcher)
 
 
 def _store_url_with_capacity(args: argparse.Namespace) -> str | None:
-    """--kv-store with --kv-store-capacity folded in (workers only get the store's URL)."""
+    """--kv-store with --kv-store-capacity and --kv-host-cache folded in (workers only get
+    the store's URL)."""
+    url = _store_url_capacity_only(args)
+    if getattr(args, "kv_host_cache", None) is None:
+        return url
+    if url in (None, "none"):
+        raise ValueError("--kv-host-cache needs a shared store (--kv-store is none)")
+    from deepinfer.kvstore.factory import with_host_cache
+    from deepinfer.runtime.kv_cache import parse_memory
+    return with_host_cache(url, parse_memory(args.kv_host_cache))
+
+
+def _store_url_capacity_only(args: argparse.Namespace) -> str | None:
     if getattr(args, "kv_store_capacity", None) is None:
         return args.kv_store
     if args.kv_store in (None, "none"):

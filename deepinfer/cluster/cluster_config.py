@@ -46,6 +46,7 @@ class ClusterConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     restart_stable_after_s: float = 60.0
+    cpu_affinity: bool = False  # pin each worker process to its own cores
     kv_store_shared: bool = False  # an fs store path every node mounts (multi-node)
     drain_timeout_s: float = 120.0  # a worker removed by scaling finishes its requests first
 

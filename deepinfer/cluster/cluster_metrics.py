@@ -21,6 +21,14 @@ _COUNTERS = (
      lambda c: c.device_hit_tokens),
     ("prefix_hit_tokens_store", "Prompt tokens loaded from the shared prefix store.",
      lambda c: c.store_hit_tokens),
+    ("prefix_hit_tokens_host", "Prompt tokens loaded from the worker's host-memory tier.",
+     lambda c: c.host_hit_tokens),
+    ("store_loads_skipped", "Prompts whose stored prefix was recomputed (predicted cheaper "
+     "than loading it).", lambda c: c.store_loads_skipped),
+    ("store_await_tokens", "Prompt tokens awaited from the store while another worker "
+     "computed them.", lambda c: c.store_await_tokens),
+    ("store_blocks_published", "Blocks queued for the store as their chunk was computed.",
+     lambda c: c.store_blocks_published),
     ("store_read_bytes", "Bytes read from the shared store.", lambda c: c.store_bytes_read),
     ("store_written_bytes", "Bytes written to the shared store.", lambda c: c.store_bytes_written),
     ("store_corrupt_blocks", "Corrupt store blocks dropped.", lambda c: c.store_corrupt_blocks),
@@ -72,7 +80,9 @@ class ClusterCollector:
                 ("worker_suspensions", "Workers taken out of routing as unresponsive (silent, "
                  "or engine loop not advancing).", self.client.num_suspended),
                 ("prefill_staging_full_decisions", "Prefill routing decisions taken with every "
-                 "worker's KV staging full.", self.client.prefill_router.num_staging_full)):
+                 "worker's KV staging full.", self.client.prefill_router.num_staging_full),
+                ("prefill_awaited_prefixes", "Requests routed to await a prefix another prefill "
+                 "worker was computing.", getattr(self.client.prefill_router, "num_awaited", 0))):
             family = CounterMetricFamily(PREFIX + name, doc)
             family.add_metric([], value)
             yield family

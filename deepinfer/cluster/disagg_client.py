@@ -133,8 +133,18 @@ class DisaggClient:
             parent_pid=os.getpid(), kv_store_url=c.store_url if role == "prefill" else None,
             report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
             kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
-            debug_transfer_delay_s=c.debug_transfer_delay_s, max_staged_bytes=c.max_staged_bytes)
+            debug_transfer_delay_s=c.debug_transfer_delay_s, max_staged_bytes=c.max_staged_bytes,
+            cpu_ids=self._cpu_ids(role, index))
         return WorkerHandle(spec, sock)
+
+    def _cpu_ids(self, role: str, index: int) -> tuple[int, ...] | None:
+        """--cpu-affinity: prefill workers take the first core groups, decode the next."""
+        c = self.cluster
+        if not c.cpu_affinity:
+            return None
+        from deepinfer.cluster.cpu_affinity import assign_cpus, available_cpus
+        groups = assign_cpus(c.num_prefill_workers + c.num_decode_workers, available_cpus())
+        return groups[index if role == "prefill" else c.num_prefill_workers + index]
 
     async def start(self) -> None:
         """Spawn every worker and wait until all have loaded the model."""
@@ -274,6 +284,8 @@ class DisaggClient:
             self._requests.pop(request_id, None)
             if not finished:  # failed, or the client went away: free every worker's state
                 await self._abort_track(track)
+            else:  # e.g. finished by its first token: no PrefillDone, but its blocks are out
+                self.prefill_router.on_prefill_done(request_id)
             self._forget_placement(track)
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -340,7 +352,7 @@ class DisaggClient:
         block_size = self.engine_config.block_size
         routing = RoutingRequest(
             request_id=track.request_id, num_prompt_tokens=len(track.prompt_token_ids),
-            block_hashes=hash_request_blocks(track.prompt_token_ids[:4 * block_size], block_size))
+            block_hashes=hash_request_blocks(track.prompt_token_ids, block_size))
         loads = [ld for ld in self._loads("prefill") if ld.worker_id != exclude]
         try:
             worker_id = self.prefill_router.route(routing, loads, time.monotonic())
@@ -349,8 +361,12 @@ class DisaggClient:
         track.phase, track.prefill_worker, track.kv_pending = "prefill", worker_id, False
         self._place(track.request_id, 0, worker_id)
         self.workers[worker_id].request_ids.add(track.request_id)
-        await self._send(worker_id, PrefillRequest(track.request_id, track.prompt_token_ids,
-                                                   track.params, track.arrival_time))
+        plan = self.prefill_router.take_prefix_plan(track.request_id)  # await a prefix?
+        await_s = max(0.0, plan.await_until - time.monotonic()) if plan is not None else 0.0
+        await self._send(worker_id, PrefillRequest(
+            track.request_id, track.prompt_token_ids, track.params, track.arrival_time,
+            num_await_blocks=plan.num_await_blocks if plan is not None else 0,
+            await_timeout_s=await_s))
 
     async def _send_decode(self, track: _Track, done: PrefillDone) -> None:
         expected = track.params.max_tokens or 256
@@ -404,6 +420,7 @@ class DisaggClient:
                             or track.failed or track.phase != "prefill":
                         await self._send(message.worker_id, AbortRequests([done.request_id]))
                         continue
+                    self.prefill_router.on_prefill_done(done.request_id)  # blocks published
                     await self._send_decode(track, done)
             elif isinstance(message, WorkerHeartbeat):
                 self._on_heartbeat(message)

@@ -23,10 +23,16 @@ from deepinfer.server.messages import RequestDelta, RequestError
 
 
 class PrefillRequest(msgspec.Struct, tag=True):
+    """`num_await_blocks`: leading prompt blocks another prefill worker is computing now;
+    wait up to `await_timeout_s` for them to be published in the shared store rather than
+    compute them again (the router's `PrefixPlan`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    num_await_blocks: int = 0
+    await_timeout_s: float = 0.0
 
 
 class DecodeRequest(msgspec.Struct, tag=True):
@@ -107,6 +113,7 @@ class WorkerLoadReport(msgspec.Struct):
     max_running_reqs: int
     kv_staged_bytes: int = 0  # prefill: staged + promised to admitted prompts
     kv_staging_capacity_bytes: int = 0  # prefill: the cap (0: none reported)
+    store_load_s_per_token: float | None = None  # prefill: measured shared-store read rate
 
 
 class WorkerCounters(msgspec.Struct):
@@ -114,7 +121,11 @@ class WorkerCounters(msgspec.Struct):
 
     prefix_query_tokens: int = 0
     device_hit_tokens: int = 0
-    store_hit_tokens: int = 0
+    store_hit_tokens: int = 0  # loaded from the shared store (fs, redis)
+    host_hit_tokens: int = 0  # loaded from the worker's host-memory tier
+    store_loads_skipped: int = 0  # prompts whose stored prefix was recomputed (cheaper)
+    store_await_tokens: int = 0  # awaited blocks (computed by another worker) that arrived
+    store_blocks_published: int = 0  # blocks queued for the store as their chunk finished
     store_bytes_read: int = 0
     store_bytes_written: int = 0
     store_corrupt_blocks: int = 0

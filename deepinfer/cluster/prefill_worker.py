@@ -1,12 +1,21 @@
 """`PrefillWorkerLoop`: computes prompts, streams the first token, stages the KV for decode.
 
-Per request: the shared store tier loads the prompt's stored blocks into the device cache
-(`SharedPrefixTier.load_prefix`), the engine prefills (device prefix cache first) and samples
-the first token. If that token finishes the request (EOS, stop, max_tokens=1) the final delta
-goes to the front and nothing moves. Otherwise the request's blocks are copied to host
-memory and staged on the `KVTransport`, the request leaves this engine (its device blocks are
-freed at once and stay in the prefix cache), its new full blocks are written through to the
-store, and the front receives the first token plus a `PrefillDone` handoff.
+Per request: while it queues, a prefetch thread (`KVPrefetcher`) reads the prompt's blocks
+after its device-cached head from the shared store (and waits for blocks the router said
+another worker is computing now); the engine loop never reads the store. Once read, the
+blocks are written into the device cache (`SharedPrefixTier.load_fetched`), the engine
+prefills (device prefix cache first) and samples the first token. Each full block is
+published to the store as soon as its chunk is computed, so other workers can read it before
+this prompt finishes. If the first token finishes the request (EOS, stop, max_tokens=1) the
+final delta goes to the front and nothing moves. Otherwise the request's blocks are copied to
+host memory and staged on the `KVTransport`, the request leaves this engine (its device
+blocks are freed at once and stay in the prefix cache), its remaining full blocks are written
+through to the store, and the front receives the first token plus a `PrefillDone` handoff.
+
+Load or recompute: store reads and prefill compute are both measured (`RateEstimator`); a
+prefix is read only when `plan_store_load` predicts that loading beats recomputing, and a
+read (or wait) is cut off at twice the predicted recompute time (plus 20 ms), so a slow store
+can cost a prefill at most about that much over having no store.
 
 Staged host memory is capped (`StagingBudget`, `spec.max_staged_bytes`): a prompt enters the
 engine only when its KV will fit next to what is staged and promised; until then it waits
@@ -15,22 +24,35 @@ here in FIFO order, counted as waiting load, and the load report says the stagin
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.cluster.kv_transport import KVTransport
 from deepinfer.cluster.messages import AbortRequests, PrefillDone, PrefillRequest
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier
 from deepinfer.cluster.staging_budget import StagingBudget
 from deepinfer.cluster.worker_loop import WorkerLoop
+from deepinfer.core.cost_model import RateEstimator, plan_store_load
+from deepinfer.kvstore.prefetcher import KVPrefetcher, PrefetchJob
+from deepinfer.kvstore.tiered_store import HOST_TIER, fetch_with_tier
 
 logger = logging.getLogger(__name__)
+
+# Priors until measured: prefill compute and shared-store reads, seconds per token.
+COMPUTE_PRIOR_S_PER_TOKEN = 1e-3
+STORE_PRIOR_S_PER_TOKEN = 2e-5
+STORE_READ_LATENCY_S = 1e-3
+READ_BUDGET_SLACK_S = 0.02
 
 
 @dataclass
 class _Prefilling:
     prompt_token_ids: list[int]
     num_store_tokens: int  # loaded into the device cache from the shared store
+    num_host_tokens: int = 0  # of which from the host-memory tier
+    block_hashes: list[bytes] = field(default_factory=list)  # full blocks (publishing)
+    num_published_blocks: int = 0
 
 
 class PrefillWorkerLoop(WorkerLoop):
@@ -45,6 +67,13 @@ class PrefillWorkerLoop(WorkerLoop):
         self.staging = StagingBudget(spec.max_staged_bytes, engine.cache.spec.bytes_per_block,
                                      engine.config.block_size)
         self._held: deque[PrefillRequest] = deque()  # waiting for staging room (FIFO)
+        self._jobs: dict[str, PrefetchJob] = {}  # store reads of held requests
+        self.prefetcher = (KVPrefetcher(lambda h: fetch_with_tier(tier.store, h),
+                                        tier.store.contains) if tier is not None else None)
+        self.compute_rate = RateEstimator(COMPUTE_PRIOR_S_PER_TOKEN, typical_units=256)
+        self.store_rate = RateEstimator(STORE_PRIOR_S_PER_TOKEN, STORE_READ_LATENCY_S,
+                                        typical_units=256)
+        self._step_start: tuple[float, int] | None = None
 
     def handle(self, message) -> None:
         if isinstance(message, AbortRequests):
@@ -54,6 +83,8 @@ class PrefillWorkerLoop(WorkerLoop):
                 self._prefilling.pop(request_id, None)
                 self.staging.release(request_id)
                 self.transport.unstage(request_id)
+                if self._jobs.pop(request_id, None) is not None:
+                    self.prefetcher.cancel(request_id)
             return
         if not isinstance(message, PrefillRequest):
             logger.warning("prefill worker ignores %s", type(message).__name__)
@@ -62,30 +93,99 @@ class PrefillWorkerLoop(WorkerLoop):
             self.emit_error(message.request_id, "disaggregated serving supports n=1 only")
             return
         self._held.append(message)
+        self._start_prefetch(message)
         self._admit_held()
 
     def before_step(self) -> None:
         self._admit_held()
+        self._step_start = (time.monotonic(), self._num_computed())
 
     def has_background_work(self) -> bool:
-        return bool(self._held)  # staging frees up as decode workers pull
+        return bool(self._held)  # staging frees up as decode workers pull; reads finish
+
+    # --- store reads, off the engine loop -----------------------------------------------------
+    def _start_prefetch(self, message: PrefillRequest) -> None:
+        """Read the prompt's stored blocks (after its device-cached head) while it queues,
+        if loading is predicted to beat recomputing them."""
+        if self.tier is None:
+            return
+        bs = self.engine.config.block_size
+        hashes = self.tier.usable_hashes(message.prompt_token_ids)
+        num_device = self.tier.num_device_blocks(hashes)
+        wanted = hashes[num_device:]
+        if not wanted:
+            return
+        prompt_len = len(message.prompt_token_ids)
+        plan = plan_store_load(prompt_len, num_device * bs, len(wanted), bs,
+                               lambda k: self.store_rate.seconds(k * bs),
+                               lambda new, ctx: self.compute_rate.seconds(new))
+        num_await = max(0, min(message.num_await_blocks, len(hashes)) - num_device)
+        if plan.num_load_blocks == 0 and num_await == 0:
+            self.counters.store_loads_skipped += 1
+            return
+        # Reading (or waiting) much longer than recomputing would take only makes TTFT
+        # worse; twice the estimate (plus a little) leaves room for its noise.
+        budget_s = 2.0 * self.compute_rate.seconds(len(wanted) * bs) + READ_BUDGET_SLACK_S
+        if num_await:
+            budget_s = max(budget_s, message.await_timeout_s)
+        job = PrefetchJob(message.request_id, wanted, time.monotonic() + budget_s,
+                          num_await_blocks=num_await)
+        self._jobs[message.request_id] = job
+        self.prefetcher.submit(job)
+
+    def _prefetch_ready(self, request_id: str) -> bool:
+        job = self._jobs.get(request_id)
+        return job is None or job.done
+
+    def _collect_prefetches(self) -> None:
+        if self.prefetcher is None:
+            return
+        bs = self.engine.config.block_size
+        for job in self.prefetcher.poll():
+            if job.payloads and not job.cancelled:
+                self.store_rate.observe(len(job.payloads) * bs, job.read_s)
 
     def _admit_held(self) -> None:
+        """Admit held prompts whose store reads are done, in order, while staging has room."""
+        self._collect_prefetches()
         staged = self.transport.stats().staged_bytes
-        while self._held:
-            message = self._held[0]
+        still: deque[PrefillRequest] = deque()
+        full = False
+        for message in self._held:
+            if full or not self._prefetch_ready(message.request_id):
+                still.append(message)
+                continue
             need = self.staging.need(len(message.prompt_token_ids))
             if not self.staging.can_admit(need, staged):
-                return
-            self._held.popleft()
+                full = True  # FIFO for staging room: later prompts must not overtake it
+                still.append(message)
+                continue
             if self._admit(message):
                 self.staging.promise(message.request_id, need)
+        self._held = still
+
+    def _load_prefetched(self, message: PrefillRequest) -> tuple[int, int]:
+        """Write the prefetched blocks into the device cache: (store tokens, host tokens)."""
+        job = self._jobs.pop(message.request_id, None)
+        if job is None or not job.payloads:
+            return 0, 0
+        bs = self.engine.config.block_size
+        fetched = dict(zip(job.block_hashes, job.payloads))
+        load = self.tier.load_fetched(self.tier.usable_hashes(message.prompt_token_ids),
+                                      fetched)
+        tiers = dict(zip(job.block_hashes, job.tiers))
+        hashes = self.tier.usable_hashes(message.prompt_token_ids)
+        loaded = hashes[load.num_device_blocks:load.num_device_blocks + load.num_store_blocks]
+        num_host = sum(1 for h in loaded if tiers.get(h) == HOST_TIER)
+        if job.num_await_blocks:
+            self.counters.store_await_tokens += min(len(job.payloads),
+                                                    job.num_await_blocks) * bs
+        return load.num_store_blocks * bs, num_host * bs
 
     def _admit(self, message: PrefillRequest) -> bool:
-        num_store_tokens = 0
+        num_store_tokens = num_host_tokens = 0
         if self.tier is not None:
-            load = self.tier.load_prefix(message.prompt_token_ids)
-            num_store_tokens = load.num_store_blocks * self.engine.config.block_size
+            num_store_tokens, num_host_tokens = self._load_prefetched(message)
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids,
                                     message.sampling_params, arrival_time=message.arrival_time)
@@ -93,11 +193,33 @@ class PrefillWorkerLoop(WorkerLoop):
             self.emit_error(message.request_id, str(exc))
             return False
         self.tracker.add_request(message.request_id, message.sampling_params)
-        self._prefilling[message.request_id] = _Prefilling(list(message.prompt_token_ids),
-                                                           num_store_tokens)
+        hashes = (self.tier.block_hashes(message.prompt_token_ids)
+                  if self.tier is not None else [])
+        self._prefilling[message.request_id] = _Prefilling(
+            list(message.prompt_token_ids), num_store_tokens, num_host_tokens, hashes)
         return True
 
+    # --- steps --------------------------------------------------------------------------------
+    def _num_computed(self) -> dict[str, int]:
+        requests = self.engine.scheduler.requests
+        return {rid: r.num_computed_tokens for rid in self._prefilling
+                if (r := requests.get(rid)) is not None}
+
+    def _tokens_computed_since(self, before: dict[str, int]) -> int:
+        """Prompt tokens computed since `before` (prefix-cache hits are not computed)."""
+        num = 0
+        for rid, after in self._num_computed().items():
+            cached = self.engine.scheduler.requests[rid].num_cached_tokens or 0
+            num += max(0, after - max(before.get(rid, 0), cached))
+        return num
+
     def after_step(self, outputs: list) -> None:
+        if self._step_start is not None:
+            start, before = self._step_start
+            self.compute_rate.observe(self._tokens_computed_since(before),
+                                      time.monotonic() - start)
+            self._step_start = None
+        self._publish_computed_blocks()
         for output in outputs:
             entry = self._prefilling.pop(output.request_id, None)
             if entry is None:
@@ -109,12 +231,36 @@ class PrefillWorkerLoop(WorkerLoop):
                 self._hand_off(output, delta, entry)  # staged: counted as staged bytes now
             self.staging.release(output.request_id)
 
+    def _publish_computed_blocks(self) -> None:
+        """Queue each prompt's full blocks computed so far for the shared store."""
+        if self.tier is None:
+            return
+        sched = self.engine.scheduler
+        bs = self.engine.config.block_size
+        for request_id, entry in self._prefilling.items():
+            request = sched.requests.get(request_id)
+            if request is None:
+                continue
+            num_full = min(request.num_computed_tokens // bs, len(entry.block_hashes))
+            if num_full <= entry.num_published_blocks:
+                continue
+            block_ids = sched.kv.block_ids(request_id)[entry.num_published_blocks:num_full]
+            kv = self.engine.cache.read_blocks(block_ids)
+            self.counters.store_blocks_published += self.tier.publish(
+                entry.block_hashes[entry.num_published_blocks:num_full], kv)
+            entry.num_published_blocks = num_full
+
     def _count_prefix_hits(self, entry: _Prefilling, num_cached: int) -> None:
         c = self.counters
         store_hit = min(entry.num_store_tokens, num_cached)
+        host_hit = min(entry.num_host_tokens, store_hit)
         c.prefix_query_tokens += len(entry.prompt_token_ids)
-        c.store_hit_tokens += store_hit
+        c.store_hit_tokens += store_hit - host_hit
+        c.host_hit_tokens += host_hit
         c.device_hit_tokens += num_cached - store_hit
+
+    def store_load_rate(self) -> float | None:
+        return self.store_rate.s_per_unit if self.store_rate.num_samples else None
 
     def _hand_off(self, output, delta, entry: _Prefilling) -> None:
         request_id = output.request_id
@@ -124,7 +270,10 @@ class PrefillWorkerLoop(WorkerLoop):
         self.tracker.forget([request_id])
         num_bytes = self.transport.stage(request_id, kv, self.spec.kv_stage_ttl_s)
         if self.tier is not None:
-            self.tier.write_through(entry.prompt_token_ids, kv)
+            self.tier.publish(entry.block_hashes[entry.num_published_blocks:],
+                              kv.narrow(self.tier.block_axis, entry.num_published_blocks,
+                                        kv.shape[self.tier.block_axis]
+                                        - entry.num_published_blocks))
         choice = output.outputs[0]
         first_logprob = choice.logprobs[0] if choice.logprobs else None
         self.emit_prefill_done(PrefillDone(

@@ -5,8 +5,10 @@ found in the store: each is written into a free device block, registered under i
 hash and released (cached-free), so the scheduler's own prefix lookup finds it as if it had
 been computed here and the first prefill chunk starts after it (the prompt's device-cached
 head is referenced while loading, so the load cannot evict it: `KVCacheManager.
-load_prefix_blocks`). `write_through` hands a
-prefilled prompt's full blocks to the background `KVStoreWriter`.
+load_prefix_blocks`). The prefill worker reads the payloads on a prefetch thread while the
+request queues and calls `load_fetched` (device writes only). `publish` hands full blocks to
+the background `KVStoreWriter` as soon as their chunk is computed; `write_through` the rest
+of a prefilled prompt's.
 
 Keys are the engine's chained block hashes (same on every process); the store namespaces them
 by a salt of the weights' fingerprint, dtype, block size and tensor layout (`store_salt`), and
@@ -82,6 +84,46 @@ class SharedPrefixTier:
     def block_hashes(self, token_ids: list[int]) -> list[bytes]:
         return hash_request_blocks(token_ids, self.kv.block_size, self.kv.hash_salt)
 
+    def usable_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The prompt's full-block hashes a prefix hit may cover (one token is left to
+        compute, as in `find_prefix`)."""
+        return self.block_hashes(token_ids)[:(len(token_ids) - 1) // self.kv.block_size]
+
+    def num_device_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` in the device prefix cache now (a look, no reference)."""
+        n = 0
+        for block_hash in hashes:
+            if not self.kv.pool.is_cached(block_hash):
+                break
+            n += 1
+        return n
+
+    def load_fetched(self, hashes: list[bytes], payloads: dict[bytes, bytes]) -> PrefixLoad:
+        """Like `load_prefix`, with the store's payloads already read (by the prefetcher, off
+        the engine loop): only device writes happen here."""
+        def write(block_id: int, payload: bytes) -> None:
+            block = kv_block_from_bytes(payload, self.layout, self.cache.kv.device)
+            self.cache.write_blocks([block_id], block)
+
+        load = self.kv.load_prefix_blocks(hashes, payloads.get, write)
+        for block_hash in hashes[load.num_device_blocks:][:load.num_loaded_blocks]:
+            self._remember(block_hash)
+        return PrefixLoad(load.num_device_blocks, load.num_loaded_blocks)
+
+    def publish(self, block_hashes: list[bytes], kv: torch.Tensor) -> int:
+        """Queue full blocks just computed (one per hash, in order along `kv`'s block axis)
+        unless known stored: every worker can read them from now on. Returns blocks queued."""
+        num_queued = 0
+        for i, block_hash in enumerate(block_hashes):
+            if block_hash in self._known:
+                self._known.move_to_end(block_hash)
+                continue
+            payload = kv_block_to_bytes(kv.narrow(self.block_axis, i, 1), self.layout)
+            if self.writer.submit(block_hash, payload):
+                self._remember(block_hash)
+                num_queued += 1
+        return num_queued
+
     def load_prefix(self, token_ids: list[int]) -> PrefixLoad:
         """Bring the prompt's store-cached blocks (after its device-cached ones) into free
         device blocks. At least one token is left to compute, as in `find_prefix`."""
@@ -104,16 +146,7 @@ class SharedPrefixTier:
         """Queue the prompt's full blocks not yet known to be stored; returns blocks queued.
 
         `kv`: `cache.read_blocks` of the prompt's blocks (a copy, not mutated)."""
-        num_queued = 0
-        for i, block_hash in enumerate(self.block_hashes(token_ids)):
-            if block_hash in self._known:
-                self._known.move_to_end(block_hash)
-                continue
-            payload = kv_block_to_bytes(kv.narrow(self.block_axis, i, 1), self.layout)
-            if self.writer.submit(block_hash, payload):
-                self._remember(block_hash)
-                num_queued += 1
-        return num_queued
+        return self.publish(self.block_hashes(token_ids), kv)
 
     def _remember(self, block_hash: bytes) -> None:
         self._known[block_hash] = None

@@ -44,4 +44,5 @@ class WorkerHandle:
             num_kv_blocks_total=report.num_kv_blocks_total, block_size=report.block_size,
             kv_tokens=report.kv_tokens, max_running_reqs=report.max_running_reqs,
             healthy=self.alive, kv_staged_bytes=report.kv_staged_bytes,
-            kv_staging_capacity_bytes=report.kv_staging_capacity_bytes or None)
+            kv_staging_capacity_bytes=report.kv_staging_capacity_bytes or None,
+            store_load_s_per_token=report.store_load_s_per_token)

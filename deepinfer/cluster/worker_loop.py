@@ -78,6 +78,10 @@ class WorkerLoop:
     def update_counters(self) -> None:
         """Refresh cumulative counters before a report."""
 
+    def store_load_rate(self) -> float | None:
+        """A prefill worker's measured seconds to load one token's KV from the store."""
+        return None
+
     # --- loop --------------------------------------------------------------------------------
     def run(self) -> None:
         while True:
@@ -148,7 +152,8 @@ class WorkerLoop:
             block_size=kv.block_size,
             kv_tokens=sum(r.num_tokens for r in sched.running) + extra_kv_tokens,
             max_running_reqs=sched.config.max_num_seqs, kv_staged_bytes=staged_bytes,
-            kv_staging_capacity_bytes=staging_capacity)
+            kv_staging_capacity_bytes=staging_capacity,
+            store_load_s_per_token=self.store_load_rate())
 
     def send_report(self) -> None:
         self.update_counters()

@@ -67,6 +67,9 @@ def run_worker_proc(spec: WorkerSpec) -> None:
     (after sending `WorkerFailed`)."""
     if threading.current_thread() is threading.main_thread():  # a Ray actor runs it in a thread
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
+    if spec.cpu_ids is not None:
+        from deepinfer.cluster.cpu_affinity import pin_to_cpus
+        pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {spec.worker_id}: %(message)s")
     ctx = zmq.Context()

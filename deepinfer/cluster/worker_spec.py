@@ -14,7 +14,8 @@ class WorkerSpec:
     every worker) TCP addresses. `kv_store_url`: the shared prefix store (prefill workers;
     None disables it). `debug_transfer_delay_s` delays every KV fetch of a decode worker
     (fault injection for tests: widens the window between prefill and decode).
-    `max_staged_bytes`: host memory a prefill worker may hold for decode pulls."""
+    `max_staged_bytes`: host memory a prefill worker may hold for decode pulls. `cpu_ids`:
+    cores the process pins itself to (None: any)."""
 
     worker_id: str
     role: str
@@ -30,6 +31,7 @@ class WorkerSpec:
     log_level: str = "WARNING"
     debug_transfer_delay_s: float = 0.0
     max_staged_bytes: int = 2 * 1024**3
+    cpu_ids: tuple[int, ...] | None = None  # --cpu-affinity: the cores this worker may use
 
     def __post_init__(self) -> None:
         if self.role not in CLUSTER_ROLES:

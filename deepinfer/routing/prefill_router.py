@@ -85,7 +85,8 @@ class LeastComputePrefillRouter(PrefillRouter):
     published (its eta) and load it, instead of computing it a second time. The chosen option
     is kept as a `PrefixPlan` for the front (`take_prefix_plan`). Counting the own cost twice
     is what keeps an idle worker from recomputing a prefix that another finishes about as
-    soon. Ties go to less own compute, then to the worker holding fewer requests.
+    soon. Ties go to less own compute, then to the worker holding fewer requests, then to the
+    one routed to least recently (idle workers share the work instead of the first taking it).
     """
 
     name = "least-compute"
@@ -99,6 +100,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         self._choice: tuple[str, str, PrefixPlan] | None = None  # (request, worker, plan)
         self._plans: dict[str, PrefixPlan] = {}
         self.num_awaited = 0  # requests sent to await a prefix computed elsewhere (a metric)
+        self._last_routed: dict[str, int] = {}  # worker -> decision number (ties rotate)
 
     def predicted_cost_s(self, request: RoutingRequest) -> float:
         choice = self._choice
@@ -129,8 +131,10 @@ class LeastComputePrefillRouter(PrefillRouter):
         best: tuple | None = None
         for ld in candidates:
             num_reqs = ld.num_active_reqs + self.reserved(ld.worker_id).num_reqs
+            last = self._last_routed.get(ld.worker_id, -1)
             for plan in self._options(request, ld, match, now):
-                key = (plan.finish_s + plan.own_cost_s, plan.own_cost_s, num_reqs, ld.worker_id)
+                key = (plan.finish_s + plan.own_cost_s, plan.own_cost_s, num_reqs, last,
+                       ld.worker_id)
                 if best is None or key < best[0]:
                     best = (key, plan)
         plan = best[1]
@@ -182,6 +186,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         plan = self._choice[2]
         super().on_routed(request, worker_id, now)  # reserves plan.own_cost_s
         self._choice = None
+        self._last_routed[worker_id] = sum(self.num_routed.values())
         if plan.num_await_blocks:
             self.num_awaited += 1
             self._plans[request.request_id] = plan

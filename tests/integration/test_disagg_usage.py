@@ -14,7 +14,7 @@ import pytest
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.sampling_params import SamplingParams
 from tests.integration.redis_server import running_redis_server
-from tests.integration.serve_process import ServeProcess
+from tests.integration.serve_process import ServeProcess, wait_for_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -108,3 +108,12 @@ def test_cached_tokens_cold_then_repeat(served, make_engine_llm):
             if attempt == 0:
                 _wait_stored(kind, location, prompt, _wait)
         assert got == [want_cold, want_repeat], (kind, streamed, got)
+    # Hits by tier and early publishing are on /metrics: each repeat was a shared-store hit
+    # on the worker that had not computed the prompt (no host tier configured here).
+    hits = wait_for_metric(server.url, "deepinfer:cluster_prefix_hit_tokens_store_total",
+                           lambda v: v >= 64 + 80)
+    assert hits == 64 + 80
+    assert wait_for_metric(server.url, "deepinfer:cluster_prefix_hit_tokens_host_total",
+                           lambda v: v == 0) == 0
+    assert wait_for_metric(server.url, "deepinfer:cluster_store_blocks_published_total",
+                           lambda v: v >= 4 + 5) >= 4 + 5  # the cold prompts' full blocks
