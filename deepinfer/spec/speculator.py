@@ -17,6 +17,7 @@ import torch
 from deepinfer.core.request import RequestStatus
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.core.scheduler_output import SchedulerOutput
+from deepinfer.spec.draft_backoff import DraftBackoff
 from deepinfer.spec.drafter import DraftRequest, Drafter
 from deepinfer.spec.spec_config import SpeculativeConfig
 
@@ -24,21 +25,28 @@ logger = logging.getLogger(__name__)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter, scheduler: Scheduler) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, scheduler: Scheduler,
+                 backoff: DraftBackoff | None = None) -> None:
         self.config = config
         self.drafter = drafter
         self.scheduler = scheduler
+        self.backoff = backoff or DraftBackoff()
 
     def propose(self, output: SchedulerOutput) -> None:
         """After `output` ran and was applied: draft for every request it computed tokens
         for that is still running (requests mid-prefill only let a drafter catch up)."""
-        self.drafter.remove(output.preempted_request_ids + output.finished_request_ids)
+        gone = output.preempted_request_ids + output.finished_request_ids
+        self.drafter.remove(gone)
+        self.backoff.remove(gone)
         scheduler = self.scheduler
         requests = []
         for sched in output.scheduled:
             request = scheduler.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if sched.num_draft_tokens:  # accepted = emitted tokens beyond the step's own one
+                num_emitted = request.num_computed_tokens - sched.num_computed_tokens
+                self.backoff.observe(request.request_id, sched.num_draft_tokens, num_emitted - 1)
             requests.append(DraftRequest(
                 request_id=request.request_id, token_ids=request.all_token_ids,
                 num_computed_tokens=request.num_computed_tokens,
@@ -46,7 +54,8 @@ class Speculator:
                 block_ids=scheduler.kv.block_ids(request.request_id),
                 sampling_params=request.sampling_params,
                 num_output_tokens=request.num_output_tokens,
-                max_num_drafts=scheduler.max_num_drafts(request)))
+                max_num_drafts=scheduler.max_num_drafts(request)
+                if self.backoff.allow(request.request_id) else 0))
         if not requests:
             return
         for request_id, token_ids in self.drafter.propose(requests).items():
@@ -90,6 +99,9 @@ def _build_draft_model(config: SpeculativeConfig, engine):
     if source.config.vocab_size > target_vocab:
         raise ValueError(f"draft model vocabulary ({source.config.vocab_size}) is larger than "
                          f"the target's ({target_vocab}): not the same tokenizer")
+    if source.config.max_position_embeddings < engine.max_model_len:
+        raise ValueError(f"draft model handles {source.config.max_position_embeddings} positions, "
+                         f"fewer than max_model_len ({engine.max_model_len}): lower --max-model-len")
     if os.path.realpath(source.path) == os.path.realpath(engine.source.path):
         model = engine.model  # drafting for itself: share the weights, own KV cache
     else:

@@ -74,3 +74,24 @@ def test_ngram_drafter_drafts_decodes_only_within_their_cap():
                            _request("c", tokens, 7, max_num_drafts=2)])
     assert out == {"a": [3, 4, 5, 6], "c": [3, 4]}  # b is mid-prefill
     assert drafter.take_draft_probs("a", [3, 4]) is None  # deterministic: q one-hot
+
+
+def test_backoff_skips_drafting_after_rejections_and_resets_on_acceptance():
+    from deepinfer.spec.draft_backoff import DraftBackoff
+
+    backoff = DraftBackoff(max_skip=4)
+    pattern = []
+    for _ in range(14):  # drafts always rejected: skip 1, 2, 4, 4 steps between tries
+        allowed = backoff.allow("r")
+        pattern.append(allowed)
+        if allowed:
+            backoff.observe("r", 3, 0)
+    assert pattern == [True, False, True, False, False, True, False, False, False, False,
+                       True, False, False, False]
+    backoff.observe("r", 3, 2)  # an accepted draft: back to drafting every step after the skip
+    while not backoff.allow("r"):
+        pass
+    backoff.observe("r", 3, 1)
+    assert all(backoff.allow("r") for _ in range(3))
+    backoff.observe("s", 0, 0)  # no drafts verified: nothing learned
+    assert backoff.allow("s")
