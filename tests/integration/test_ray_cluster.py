@@ -8,6 +8,8 @@ request; refused deployments fail at start with one clear line."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import threading
 
 import pytest
@@ -30,14 +32,15 @@ READY_DEADLINE_S = 240.0  # a model load on a saturated 2-core box
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """A head (no CPUs: nothing of ours runs there) and two fake worker nodes."""
     from ray.cluster_utils import Cluster
     if ray.is_initialized():
         ray.shutdown()
+    # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
+    temp_dir = tempfile.mkdtemp(prefix="dray")
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
-        "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
     nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill_node": 2}),
              "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 3})}
     cluster.wait_for_nodes()
@@ -46,6 +49,7 @@ def ray_cluster(tmp_path_factory):
     yield node_ids
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class RayHarness(ClusterHarness):

@@ -1,0 +1,98 @@
+"""The Ray launcher's pure parts (no Ray started): per-role resource flags, which nodes can
+host a role, the node-local fs store refusal, and the --cluster flags' errors."""
+from __future__ import annotations
+
+import argparse
+import socket
+
+import pytest
+
+from deepinfer.cluster.cluster_args import add_cluster_args, cluster_client_from_args
+from deepinfer.cluster.launcher import LocalLauncher, launcher_from_args
+from deepinfer.cluster.ray_launcher import (RoleResources, check_store_locality,
+                                            is_node_local_store, nodes_that_fit)
+
+
+def node(ip: str, alive: bool = True, **resources) -> dict:
+    return {"NodeID": ip, "NodeManagerAddress": ip, "Alive": alive,
+            "Resources": {"CPU": 8.0, "memory": 1e10, **resources}}
+
+
+def test_role_resources_map_to_actor_options_and_node_requests():
+    r = RoleResources.parse('{"num_cpus": 4, "num_gpus": 1, "prefill_node": 1}', "--x")
+    assert r.actor_options(cluster_has_gpus=False) == {
+        "num_cpus": 4.0, "num_gpus": 1.0, "resources": {"prefill_node": 1}}
+    assert r.request(False) == {"CPU": 4.0, "GPU": 1.0, "prefill_node": 1}
+    default = RoleResources.parse(None, "--x")  # a GPU each only where the cluster has GPUs
+    assert default.request(cluster_has_gpus=True) == {"CPU": 1.0, "GPU": 1.0}
+    assert default.request(cluster_has_gpus=False) == {"CPU": 1.0}
+    mem = RoleResources.parse('{"memory": 1000}', "--x")
+    assert mem.actor_options(False)["memory"] == 1000.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not JSON"), ("[1]", "expected a JSON object"), ('{"num_cpus": -1}', "non-negative"),
+    ('{"num_gpus": "one"}', "non-negative numbers"), ('{"GPU": 1}', "write 'GPU' as 'num_gpus'"),
+    ('{"prefill_node": true}', "non-negative numbers"),
+])
+def test_bad_resource_flags_name_the_flag(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        RoleResources.parse(text, "--decode-resources")
+    assert str(info.value).startswith("--decode-resources")
+
+
+def test_nodes_that_fit_reads_totals_of_alive_nodes():
+    nodes = [node("10.0.0.1", prefill_node=1.0), node("10.0.0.2", GPU=8.0),
+             node("10.0.0.3", alive=False, prefill_node=1.0)]
+    assert [n["NodeID"] for n in nodes_that_fit({"CPU": 1.0, "prefill_node": 1}, nodes)] == \
+        ["10.0.0.1"]
+    assert [n["NodeID"] for n in nodes_that_fit({"GPU": 2.0}, nodes)] == ["10.0.0.2"]
+    assert nodes_that_fit({"CPU": 16.0}, nodes) == []
+
+
+def test_a_node_local_store_is_refused_only_when_prefill_can_span_nodes():
+    assert is_node_local_store("fs") and is_node_local_store("fs:///data?capacity_bytes=9")
+    assert is_node_local_store("/data") and is_node_local_store("~/kv")
+    assert not is_node_local_store("redis://h:6379/0") and not is_node_local_store("none")
+    two = [node("10.0.0.1"), node("10.0.0.2")]
+    with pytest.raises(ValueError, match=r"2 Ray nodes \(10.0.0.1, 10.0.0.2\).*--kv-store-shared"):
+        check_store_locality("fs:///data", shared=False, prefill_nodes=two)
+    check_store_locality("fs:///data", shared=True, prefill_nodes=two)
+    check_store_locality("redis://h:6379/0", shared=False, prefill_nodes=two)
+    check_store_locality("fs", shared=False, prefill_nodes=two[:1])
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--cluster", "ray"), "give --prefill-workers and --decode-workers"),
+    (("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+      "--cluster", "k8s"), "unknown --cluster 'k8s'"),
+    (("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+      "--prefill-resources", '{"num_gpus": 1}'), "--prefill-resources needs --cluster ray"),
+    (("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+      "--cluster", "ray", "--decode-resources", "{"), "--decode-resources: not JSON"),
+])
+def test_bad_cluster_flags_are_value_errors_before_ray_starts(argv, message):
+    with pytest.raises(ValueError, match=message):
+        cluster_client_from_args(parse(*argv), engine_config=None)
+
+
+def test_local_is_the_default_launcher():
+    args = parse("--prefill-workers", "1", "--decode-workers", "1")
+    assert args.cluster == "local" and isinstance(launcher_from_args(args), LocalLauncher)
+
+
+def test_serve_exits_2_with_one_line_on_bad_ray_flags(capsys):
+    from deepinfer.cli.main import main
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["serve", "--port", str(port), "--prefill-workers", "1", "--decode-workers",
+                 "1", "--kv-store", "none", "--cluster", "ray", "--prefill-resources", "[2]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "expected a JSON object" in err and len(err.splitlines()) == 1, err
