@@ -35,6 +35,7 @@ from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, Eng
 
 logger = logging.getLogger(__name__)
 
+ROOT_CAUSE_GRACE_S = 0.5
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
              "prediction_abs_error_sum", "num_predicted_steps")
 
@@ -337,11 +338,19 @@ class DataParallelClient:
     async def _on_group_lost(self, group: GroupHandle, incarnation: int, reason: str) -> None:
         if group.incarnation != incarnation or not group.healthy or self._closing:
             return
-        message = f"data-parallel group {group.index} lost: {_root_cause(group) or reason}"
+        group.healthy = False  # out of routing now; nothing else re-enters below
+        # A peer's failed collective can be reported a moment before the killed rank's exit
+        # is visible: wait briefly (bounded) for a rank killed by a signal to name the cause.
+        deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+        cause = _root_cause(group)
+        while cause is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            cause = _root_cause(group)
+        message = f"data-parallel group {group.index} lost: {cause or reason}"
         if self.policy.max_restarts > 0:
             message += "; restarting it"
         logger.error(message)
-        group.healthy, group.dead_message = False, message
+        group.dead_message = message
         for track in list(self._tracks.values()):
             if track.rank is not None and track.rank.group == group.index:
                 track.queue.put_nowait(_Failed(EngineDeadError(message), group_lost=True))
