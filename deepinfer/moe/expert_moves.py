@@ -20,7 +20,9 @@ class ExpertMove:
     slot: int  # destination slot (global id)
     expert: int  # logical expert it will hold
     source_slot: int  # global id: an old slot (kind local/remote) or a new slot (kind copy)
-    kind: str  # "local" (old slot, same rank) | "remote" (old slot, other rank) | "copy" (new slot, same rank, after the transfers)
+    # "local": old slot, same rank | "remote": old slot, other rank
+    # "copy": new slot of the same rank, filled by a transfer of this same move
+    kind: str
 
 
 def plan_expert_moves(old_phy2log: np.ndarray, new_phy2log: np.ndarray,
