@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # A listed name that does not exist fails.
 PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing", "deepinfer.sim")
-PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb")
+PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb", "deepinfer.moe.eplb_config",
+                       "deepinfer.moe.expert_moves", "deepinfer.moe.load_recorder")
 BLOCKED = ("torch", "zmq", "fastapi", "ray", "redis")
 
 # Runs in the child: install the blocker, import everything, report as JSON on stdout.
