@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # A listed name that does not exist fails.
 PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing", "deepinfer.sim")
 PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb", "deepinfer.moe.eplb_config",
-                       "deepinfer.moe.expert_moves", "deepinfer.moe.load_recorder")
+                       "deepinfer.moe.expert_moves", "deepinfer.moe.load_recorder",
+                       "deepinfer.spec.spec_config", "deepinfer.spec.drafter",
+                       "deepinfer.spec.ngram", "deepinfer.spec.draft_backoff")
 BLOCKED = ("torch", "zmq", "fastapi", "ray", "redis")
 
 # Runs in the child: install the blocker, import everything, report as JSON on stdout.
