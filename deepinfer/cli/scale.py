@@ -47,7 +47,7 @@ def run(args, transport=None) -> int:
         raise CLIError(f"{url}: HTTP {response.status_code}: "
                        f"{message or response.text.strip()[:200]}")
     summary = {k: data.get(k) for k in ("role", "count", "added", "removed", "not_ready",
-                                        "num_released")}
+                                        "waiting_for", "num_released")}
     summary["workers"] = [f"{w['worker_id']}:{w['state']}" for w in data.get("workers", [])
                           if w.get("role") == args.role]
     print(json.dumps(summary))

@@ -318,6 +318,20 @@ class RayLauncher:
         options = self.role_resources[spec.role].actor_options(self._has_gpus)
         return RayWorkerProcess(self._actor_class, spec, options)
 
+    def pending_reason(self, proc: RayWorkerProcess) -> str | None:
+        """Why a started actor does not run yet, when Ray lacks the resources for it now (it
+        starts when they appear: a worker leaving, an autoscaler adding a node)."""
+        import ray
+        if proc.info is not None or not proc.is_alive():
+            return None
+        request = self.role_request(proc.spec.role)
+        available = ray.available_resources()
+        short = {k: v for k, v in request.items() if available.get(k, 0.0) < v}
+        if not short:
+            return None
+        return (f"waiting for Ray resources {request} (available now: "
+                f"{ {k: available.get(k, 0.0) for k in short} })")
+
     def placement(self, proc: RayWorkerProcess) -> dict:
         return {"launcher": self.name, **(proc.info or {}), "resources": proc._options}
 

@@ -23,6 +23,7 @@ from deepinfer.cluster.worker_supervisor import WorkerState
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
+PENDING_GRACE_S = 5.0  # stop waiting for added workers the launcher cannot place now
 MAX_WORKERS_PER_ROLE = 1024
 
 
@@ -33,6 +34,7 @@ class ScaleResult:
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     not_ready: list[str] = field(default_factory=list)  # added, still loading (wait=False)
+    waiting_for: dict[str, str] = field(default_factory=dict)  # not placed yet, and why
     num_released: int = 0  # requests a drain could not finish in time (retried or failed)
 
     def to_dict(self) -> dict:
@@ -82,6 +84,8 @@ class WorkerScaler:
                 if wait:
                     await self._wait_admitted(result.added)
                 result.not_ready = [w for w in result.added if not self.client.workers[w].alive]
+                result.waiting_for = {w: r for w in result.not_ready
+                                      if (r := self.pending_reason(w)) is not None}
             elif count < len(members):
                 states = {h.worker_id: self.client.supervisor.state(h.worker_id)
                           for h in members}
@@ -113,14 +117,31 @@ class WorkerScaler:
         logger.warning("scaling: added %s", handle.worker_id)
         return handle.worker_id
 
+    def pending_reason(self, worker_id: str) -> str | None:
+        """Why the launcher has not placed `worker_id` yet (None: placed, or loading)."""
+        handle = self.client.workers.get(worker_id)
+        reason = getattr(self.client.launcher, "pending_reason", None)
+        if handle is None or handle.proc is None or reason is None:
+            return None
+        return reason(handle.proc)
+
     async def _wait_admitted(self, worker_ids: list[str]) -> None:
+        """Until every added worker serves, gave up, or (for PENDING_GRACE_S) all of those
+        left wait for resources the cluster does not have now."""
         c = self.client
         deadline = time.monotonic() + c.cluster.ready_timeout_s
+        unplaceable_since = None
         while time.monotonic() < deadline:
             pending = [w for w in worker_ids if w in c.workers and not c.workers[w].alive
                        and c.supervisor.state(w) is not WorkerState.GAVE_UP]
             if not pending:
                 return
+            if all(self.pending_reason(w) is not None for w in pending):
+                unplaceable_since = unplaceable_since or time.monotonic()
+                if time.monotonic() - unplaceable_since > PENDING_GRACE_S:
+                    return
+            else:
+                unplaceable_since = None
             await asyncio.sleep(POLL_S)
 
     # --- remove ------------------------------------------------------------------------------
@@ -154,7 +175,9 @@ class WorkerScaler:
         handle.alive, handle.dead_reason = False, "removed by scaling"  # no loss handling
         handle.suspended_since = None
         proc = handle.proc
-        if proc is not None and proc.is_alive():
+        if proc is not None and proc.is_alive() and handle.ready is None:
+            proc.kill()  # never announced itself (loading, or not even placed): nothing to end
+        elif proc is not None and proc.is_alive():
             try:
                 await handle.input_socket.send(self.client._encoder.encode(ShutdownWorker()))
             except Exception:  # zmq.Again: it reads nothing any more; killed below
@@ -177,5 +200,7 @@ def describe_workers(client) -> list[dict]:
         out.append({"worker_id": wid, "role": h.role, "state": state,
                     "num_requests": len(h.request_ids), "reason": h.dead_reason,
                     "kv_addr": h.ready.kv_addr if h.ready is not None else None,
-                    "placement": placement})
+                    "placement": placement,
+                    "waiting_for": client.scaler.pending_reason(wid)
+                    if client.scaler is not None and not h.alive else None})
     return out

@@ -42,7 +42,7 @@ def ray_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
     nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill_node": 2}),
-             "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 3})}
+             "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 2})}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     node_ids = {role: node.node_id for role, node in nodes.items()}
@@ -196,14 +196,18 @@ def test_scaling_decode_1_2_1_under_load_loses_no_request(p1d1, engine_base_llm)
     second = prompts_for(p1d1, "on-two", range(4, 9))
     results = load.result(timeout=300) | p1d1.generate_many(second, params, timeout=300)
     assert any(client.placements[r][1] == "decode-1" for r in second), "decode-1 served"
-    # Scale back down while requests run on both decode workers: decode-1 drains.
+    # A third one does not fit (decode_node: 2): the call says so instead of waiting.
+    out = p1d1.run(client.scale("decode", 3), timeout=60)
+    assert out["not_ready"] == ["decode-2"] and "decode_node" in out["waiting_for"]["decode-2"]
+    # Scale back down while requests run on both decode workers: the unplaced decode-2 goes
+    # at once, decode-1 drains.
     third = prompts_for(p1d1, "scale-down", range(9, 13))
     load = p1d1.submit_many(third, params)
     p1d1.wait_for(lambda: any((client.placements.get(r) or [None, None])[1] == "decode-1"
                               for r in third), timeout=120, what="a request on decode-1")
     removed = client.workers["decode-1"]
     out = p1d1.run(client.scale("decode", 1), timeout=300)
-    assert out["removed"] == ["decode-1"] and out["num_released"] == 0
+    assert out["removed"] == ["decode-2", "decode-1"] and out["num_released"] == 0
     results |= load.result(timeout=300)
     assert_equal_outputs(results, reference(engine_base_llm, {**first, **second, **third}, params))
     assert sorted(client.workers) == ["decode-0", "prefill-0"]

@@ -168,7 +168,7 @@ def test_scale_refuses_bad_input_and_keeps_one_worker_per_role():
                 await client.scale(role, count)
         assert (await client.scale("decode", 2)) == {
             "role": "decode", "count": 2, "added": [], "removed": [], "not_ready": [],
-            "num_released": 0}
+            "waiting_for": {}, "num_released": 0}
     run_front(test)
 
 
