@@ -79,6 +79,7 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         max_worker_restarts=getattr(args, "max_engine_restarts", 5),
         cpu_affinity=getattr(args, "cpu_affinity", False),
         **placement_config(args, launcher))
+    launcher.check(cluster)  # e.g. no Ray node for a role: one line, before anything starts
     return DisaggClient(engine_config, cluster, launcher=launcher)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import tempfile
 import threading
 
@@ -111,6 +112,20 @@ def test_refused_deployments_fail_at_start_with_one_line(ray_cluster):
     nowhere = RayLauncher(role_resources={"decode": RoleResources(custom={"tpu_node": 1})})
     with pytest.raises(ValueError, match="no alive Ray node can host a decode worker"):
         nowhere.check(ClusterConfig(kv_store_url="none"))
+
+
+def test_serve_refuses_an_unplaceable_role_with_one_line(ray_cluster, capsys):
+    from deepinfer.cli.main import main
+    with socket.socket() as s:  # a port that is free now (serve checks it first)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["serve", "--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
+                 "--kv-store", "none", "--cluster", "ray",
+                 "--decode-resources", '{"tpu_node": 1}'])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "no alive Ray node can host a decode worker" in err and "tpu_node" in err
+    assert ray.is_initialized()  # the test's Ray: serve's launcher did not own it
 
 
 def test_p2_d2_on_ray_equals_colocated_and_follows_role_resources(ray_cluster, engine_base_llm):
