@@ -96,6 +96,9 @@ def add_placement_args(parser) -> None:
     g.add_argument("--kv-store-shared", action="store_true",
                    help="the fs --kv-store path is a filesystem every node mounts at that path "
                         "(without it an fs store is refused when prefill workers can span nodes)")
+    g.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a worker removed by `deepinfer scale` may take to finish its "
+                        "requests; what is left then is retried or failed like a lost worker's")
     g.add_argument("--cluster-host", default=None, metavar="IP",
                    help="--cluster ray: the address workers use to reach this server's "
                         "sockets (default: this node's IP as Ray sees it)")
@@ -124,7 +127,8 @@ def launcher_from_args(args) -> WorkerLauncher:
 
 def placement_config(args, launcher: WorkerLauncher) -> dict:
     """ClusterConfig fields that depend on the launcher (the host the front binds)."""
-    out = {"kv_store_shared": getattr(args, "kv_store_shared", False)}
+    out = {"kv_store_shared": getattr(args, "kv_store_shared", False),
+           "drain_timeout_s": getattr(args, "drain_timeout", 120.0)}
     if hasattr(launcher, "front_host"):
         out["host"] = launcher.front_host()
     return out

@@ -87,6 +87,21 @@ def test_local_is_the_default_launcher():
     assert args.cluster == "local" and isinstance(launcher_from_args(args), LocalLauncher)
 
 
+def test_placement_flags_reach_the_cluster_config():
+    import asyncio
+    client = cluster_client_from_args(
+        parse("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+              "--drain-timeout", "30", "--kv-store-shared"), engine_config=None)
+    try:
+        assert client.cluster.drain_timeout_s == 30.0 and client.cluster.kv_store_shared
+        assert isinstance(client.launcher, LocalLauncher)
+    finally:
+        asyncio.run(client.shutdown())
+    with pytest.raises(ValueError, match="drain_timeout_s must be positive"):
+        cluster_client_from_args(parse("--prefill-workers", "1", "--decode-workers", "1",
+                                       "--kv-store", "none", "--drain-timeout", "0"), None)
+
+
 def test_serve_exits_2_with_one_line_on_bad_ray_flags(capsys):
     from deepinfer.cli.main import main
     with socket.socket() as s:
