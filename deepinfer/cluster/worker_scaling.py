@@ -76,6 +76,9 @@ class WorkerScaler:
                 not 1 <= count <= MAX_WORKERS_PER_ROLE:
             raise ValueError(f"count must be an integer from 1 to {MAX_WORKERS_PER_ROLE} "
                              f"(a disaggregated cluster needs a worker of each role)")
+        if getattr(self.client.cluster, "cpu_affinity", False):
+            raise ValueError("scaling is not supported with --cpu-affinity (cores are split "
+                             "among the workers started with the server)")
         async with self._lock:
             result = ScaleResult(role, count)
             members = self.members(role)

@@ -6,6 +6,7 @@ while draining is not restarted. Plus the pure parts: which worker goes, supervi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -166,6 +167,10 @@ def test_scale_refuses_bad_input_and_keeps_one_worker_per_role():
                                      ("decode", True, "count must")):
             with pytest.raises(ValueError, match=message):
                 await client.scale(role, count)
+        client.cluster = dataclasses.replace(client.cluster, cpu_affinity=True)
+        with pytest.raises(ValueError, match="--cpu-affinity"):
+            await client.scale("decode", 3)  # its core groups were fixed at start
+        client.cluster = dataclasses.replace(client.cluster, cpu_affinity=False)
         assert (await client.scale("decode", 2)) == {
             "role": "decode", "count": 2, "added": [], "removed": [], "not_ready": [],
             "waiting_for": {}, "num_released": 0}
