@@ -8,6 +8,7 @@ request; refused deployments fail at start with one clear line."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import tempfile
@@ -38,6 +39,10 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
     if ray.is_initialized():
         ray.shutdown()
+    # Ray's memory monitor SIGKILLs workers when the *machine* nears full memory, which on a
+    # shared test box can be other processes' doing; the raylets inherit this and skip it.
+    saved_monitor = os.environ.get("RAY_memory_monitor_refresh_ms")
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
     temp_dir = tempfile.mkdtemp(prefix="dray")
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -51,6 +56,10 @@ def ray_cluster():
     ray.shutdown()
     cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+    if saved_monitor is None:
+        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+    else:
+        os.environ["RAY_memory_monitor_refresh_ms"] = saved_monitor
 
 
 class RayHarness(ClusterHarness):
@@ -210,7 +219,8 @@ def test_scaling_decode_1_2_1_under_load_loses_no_request(p1d1, engine_base_llm)
     assert placed_nodes(p1d1)["decode-1"] == placed_nodes(p1d1)["decode-0"]  # decode_node
     second = prompts_for(p1d1, "on-two", range(4, 9))
     results = load.result(timeout=300) | p1d1.generate_many(second, params, timeout=300)
-    assert any(client.placements[r][1] == "decode-1" for r in second), "decode-1 served"
+    assert any((client.placements.get(r) or [None, None])[1] == "decode-1" for r in second), \
+        "decode-1 served"
     # A third one does not fit (decode_node: 2): the call says so instead of waiting.
     out = p1d1.run(client.scale("decode", 3), timeout=60)
     assert out["not_ready"] == ["decode-2"] and "decode_node" in out["waiting_for"]["decode-2"]
