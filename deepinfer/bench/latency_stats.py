@@ -165,3 +165,18 @@ def format_summary(summary: BenchSummary, title: str = "Serving Benchmark Result
             row(f"P{p} {short} (ms):", getattr(stats, f"p{p}"))
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def request_columns(results: list[RequestResult]) -> dict[str, list]:
+    """Per-request results as columns: the "requests" section of a bench-serve JSON, shared
+    by measured and simulated runs so the two diff field by field."""
+    return {"prompt_len": [r.prompt_len for r in results],
+            "output_len": [r.output_len for r in results],
+            "start_s": [r.start_s for r in results],
+            "ttft_s": [r.ttft_s for r in results],
+            "tpot_s": [r.tpot_s for r in results],
+            "e2e_s": [r.e2e_s for r in results],
+            "itl_s": [r.itl_s for r in results],
+            "cached_tokens": [r.cached_tokens for r in results],
+            "errors": [r.error for r in results]}
+

@@ -15,7 +15,7 @@ import platform
 import time
 
 from deepinfer.bench.errors import BenchError
-from deepinfer.bench.latency_stats import format_summary, summarize
+from deepinfer.bench.latency_stats import format_summary, request_columns, summarize
 from deepinfer.bench.serve_client import BenchRun, ClientConfig, run_benchmark
 from deepinfer.bench.traces import ShrinkConfig
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
@@ -149,17 +149,7 @@ def _write_json(args, workload_cfg: WorkloadConfig, description: str, bench_run:
         "summary": dataclasses.asdict(summary),
         "prefix_cache_hit_rate": bench_run.prefix_cache_hit_rate,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "requests": {
-            "prompt_len": [r.prompt_len for r in results],
-            "output_len": [r.output_len for r in results],
-            "start_s": [r.start_s for r in results],
-            "ttft_s": [r.ttft_s for r in results],
-            "tpot_s": [r.tpot_s for r in results],
-            "e2e_s": [r.e2e_s for r in results],
-            "itl_s": [r.itl_s for r in results],
-            "cached_tokens": [r.cached_tokens for r in results],
-            "errors": [r.error for r in results],
-        },
+        "requests": request_columns(results),
     }
     with open(args.json_path, "w") as f:
         json.dump(_finite(payload), f, indent=1)

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.bench.latency_stats import BenchSummary, RequestResult, summarize
+from deepinfer.bench.latency_stats import (BenchSummary, RequestResult, request_columns,
+                                           summarize)
 from deepinfer.bench.workloads import Workload, WorkloadConfig, build_workload
 from deepinfer.sim.cluster_spec import ClusterSpec
 from deepinfer.sim.sim_request import SimRequest
@@ -108,17 +109,7 @@ def to_bench_json(run: SimRun, workload_cfg: WorkloadConfig, *, model: str = "si
         "summary": dataclasses.asdict(summary),
         "prefix_cache_hit_rate": run.prefix_cache_hit_rate,
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-        "requests": {
-            "prompt_len": [r.prompt_len for r in results],
-            "output_len": [r.output_len for r in results],
-            "start_s": [r.start_s for r in results],
-            "ttft_s": [r.ttft_s for r in results],
-            "tpot_s": [r.tpot_s for r in results],
-            "e2e_s": [r.e2e_s for r in results],
-            "itl_s": [r.itl_s for r in results],
-            "cached_tokens": [r.cached_tokens for r in results],
-            "errors": [r.error for r in results],
-        },
+        "requests": request_columns(results),
         "simulation": {
             "cluster": run.cluster.describe(),
             "num_accelerators": run.cluster.num_accelerators(),
