@@ -33,6 +33,15 @@ def parse_memory(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
+def blocks_that_fit(memory_bytes: int, bytes_per_block: int) -> int:
+    """How many KV blocks a memory budget holds; fewer than 2 is a configuration error."""
+    num = memory_bytes // bytes_per_block
+    if num < 2:
+        raise ValueError(f"KV cache memory {memory_bytes} B holds fewer than 2 blocks "
+                         f"({bytes_per_block} B each)")
+    return int(num)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
@@ -52,11 +61,7 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
 
     def num_blocks_for(self, memory_bytes: int) -> int:
-        num = memory_bytes // self.bytes_per_block
-        if num < 2:
-            raise ValueError(f"KV cache memory {memory_bytes} B holds fewer than 2 blocks "
-                             f"({self.bytes_per_block} B each)")
-        return int(num)
+        return blocks_that_fit(memory_bytes, self.bytes_per_block)
 
 
 class PagedKVCache:

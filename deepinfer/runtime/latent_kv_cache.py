@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.models.model_config import ModelConfig
+from deepinfer.runtime.kv_cache import blocks_that_fit
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,7 @@ class MLAKVCacheSpec:
         return self.bytes_per_token * self.block_size
 
     def num_blocks_for(self, memory_bytes: int) -> int:
-        num = memory_bytes // self.bytes_per_block
-        if num < 2:
-            raise ValueError(f"KV cache memory {memory_bytes} B holds fewer than 2 blocks "
-                             f"({self.bytes_per_block} B each)")
-        return int(num)
+        return blocks_that_fit(memory_bytes, self.bytes_per_block)
 
 
 class PagedLatentKVCache:
