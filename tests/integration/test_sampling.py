@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from deepinfer import SamplingParams
-from tests.integration.engine_checks import chat_checked, generate_checked, token_prompts
+from tests.integration.engine_checks import (chat_checked, generate_checked, run_handoff,
+                                             token_prompts)
 from tests.integration.hf_reference import assert_matches_reference
 from tests.integration.prompt_corpus import distinct_prompts
 
@@ -252,50 +253,14 @@ def test_seeded_sampling_is_equal_alone_batched_and_preempted(engine_base_llm, m
     assert batched[0][0] != batched[0][1], "n=2 children drew one sequence"
 
 
-def run_handoff(engine_base_llm, make_engine_llm, prompt: list[int], params: SamplingParams):
-    """In process, as the disaggregated workers do it: a prefill engine samples the first
-    token and hands its prompt KV to a `DisaggDecodeEngine` (with another engine seed), which
-    continues at output position 1. Returns the decode side's final output."""
-    import time
-
-    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
-    from deepinfer.engine.engine_config import EngineConfig
-
-    base = engine_base_llm.engine
-    prefill = make_engine_llm(seed=5).engine
-    prefill.add_request("h", prompt, params)
-    first = []
-    while not first:
-        for out in prefill.step():
-            first = list(out.outputs[0].token_ids)
-    assert len(first) == 1
-    kv = prefill.cache.read_blocks(prefill.scheduler.kv.block_ids("h"))
-    prefill.abort_request(["h"])
-
-    decode = DisaggDecodeEngine(
-        EngineConfig(model=None, dtype="float32", kv_cache_memory="64MiB", seed=123),
-        source=base.source, model=base.model, tokenizer=base.tokenizer)
-    block_ids = decode.add_transferred_request("h", prompt, params, time.monotonic(), first[0],
-                                               None)
-    decode.cache.write_blocks(block_ids, kv)
-    decode.admit_transferred("h")
-    final = None
-    for _ in range(100):
-        for out in decode.step():
-            final = out if out.finished else final
-        if final is not None:
-            break
-    assert final is not None, "the decode engine did not finish the request"
-    return final.outputs[0]
-
-
 def test_seeded_sampling_continues_across_the_prefill_decode_handoff(engine_base_llm,
                                                                      make_engine_llm):
     """The decode side must produce the colocated tokens: noise at position i is (seed, i)."""
     prompt = engine_base_llm.engine.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
     params = sampled(77, max_tokens=16)
     colocated = generate_checked(engine_base_llm, token_prompts([prompt]), params)[0].outputs[0]
-    handed = run_handoff(engine_base_llm, make_engine_llm, prompt, params)
+    handed, _ = run_handoff(make_engine_llm(seed=5).engine, engine_base_llm.engine, prompt,
+                            params, seed=123)
     assert list(handed.token_ids) == list(colocated.token_ids)
     assert handed.text == colocated.text
 
@@ -308,6 +273,7 @@ def test_stop_string_waits_for_min_tokens_after_the_handoff(engine_base_llm, mak
     assert text.count(stop) == 1, f"precondition: {stop!r} must occur once in {text!r}"
     prompt = engine_base_llm.engine.tokenizer.encode(CONTINUATION_PROMPT, add_special_tokens=False)
     params = greedy(32, ignore_eos=True, stop=[stop], min_tokens=32)
-    handed = run_handoff(engine_base_llm, make_engine_llm, prompt, params)
+    handed, _ = run_handoff(make_engine_llm(seed=5).engine, engine_base_llm.engine, prompt,
+                            params, seed=123)
     assert handed.finish_reason == "length" and handed.stop_reason is None
     assert list(handed.token_ids) == list(continuation.token_ids) and handed.text == text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
-from tests.integration.engine_checks import generate_checked
+from tests.integration.engine_checks import generate_checked, run_handoff
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -151,35 +151,10 @@ def test_disaggregated_decode_engine_speculates_after_the_handoff(engine_base_ll
     """In process, as the workers do it: a prefill engine samples the first token, its prompt
     KV is copied into a `DisaggDecodeEngine` with speculation on (the draft model catches up
     on the prompt it never saw), which must continue with the colocated tokens."""
-    import time
-
-    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
-    from deepinfer.engine.engine_config import EngineConfig
-
     base = engine_base_llm.engine
     prompt = list(baseline[1].prompt_token_ids)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    base.add_request("h", prompt, params)
-    first: list[int] = []
-    while not first:
-        for out in base.step():
-            first = list(out.outputs[0].token_ids)
-    kv = base.cache.read_blocks(base.scheduler.kv.block_ids("h"))
-    base.abort_request(["h"])
-    decode = DisaggDecodeEngine(
-        EngineConfig(model=None, dtype="float32", kv_cache_memory="64MiB", seed=3,
-                     speculative_config=config),
-        source=base.source, model=base.model, tokenizer=base.tokenizer)
-    block_ids = decode.add_transferred_request("h", prompt, params, time.monotonic(), first[0],
-                                               None)
-    decode.cache.write_blocks(block_ids, kv)
-    decode.admit_transferred("h")
-    final = None
-    for _ in range(4 * MAX_TOKENS):
-        for out in decode.step():
-            final = out if out.finished else final
-        if final is not None:
-            break
-    assert final is not None
-    assert final.outputs[0].token_ids == baseline[1].outputs[0].token_ids
+    final, decode = run_handoff(base, base, prompt, params, max_steps=4 * MAX_TOKENS, seed=3,
+                                speculative_config=config)
+    assert final.token_ids == baseline[1].outputs[0].token_ids
     assert decode.get_stats().spec_decode_num_accepted_tokens > 0
