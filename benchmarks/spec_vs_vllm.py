@@ -262,12 +262,11 @@ def main() -> int:
     print(f"{'engine':18s} {'mean tok/s':>10s} {'median':>8s} {'acc. len':>8s} {'acc. rate':>9s} "
           f"{'= DI plain':>10s}")
     for name, r in results.items():
-        acc_len = r.get("mean_acceptance_length")
-        acc_rate = r.get("acceptance_rate")
-        print(f"{name:18s} {r['mean_tok_s']:10.1f} {r['median_tok_s']:8.1f} "
-              f"{acc_len if acc_len is None else f'{acc_len:.2f}':>8} "
-              f"{acc_rate if acc_rate is None else f'{acc_rate:.0%}':>9} "
-              f"{r['outputs_equal_to_deepinfer_plain']:>10s}")
+        acc_len, acc_rate = r.get("mean_acceptance_length"), r.get("acceptance_rate")
+        acc_len = "-" if acc_len is None else f"{acc_len:.2f}"
+        acc_rate = "-" if acc_rate is None else f"{acc_rate:.0%}"
+        print(f"{name:18s} {r['mean_tok_s']:10.1f} {r['median_tok_s']:8.1f} {acc_len:>8s} "
+              f"{acc_rate:>9s} {r['outputs_equal_to_deepinfer_plain']:>10s}")
     ratio = results["deepinfer_ngram"]["mean_tok_s"] / results["vllm_ngram"]["mean_tok_s"]
     print(f"DeepInfer ngram / vLLM ngram: {ratio:.2f}x; "
           f"vLLM's chat template gives the same ids: {template_equal}")
