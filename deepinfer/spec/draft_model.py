@@ -49,13 +49,28 @@ class DraftProbs:
             self._probs.pop(request_id, None)
 
 
-class DraftModelDrafter:
+class RunnerDrafter:
+    """What drafters that run a model (draft model, MTP) share: their runner, the positions
+    their own KV is valid below, and the q of the drafts they sampled."""
+
     def __init__(self, runner: DraftRunner, num_speculative_tokens: int, vocab_size: int) -> None:
         self.runner = runner
         self.k = num_speculative_tokens
         self.vocab_size = vocab_size  # the target's (q is padded to it)
-        self.num_computed: dict[str, int] = {}  # draft KV valid below this position
+        self.num_computed: dict[str, int] = {}  # drafter KV valid below this position
         self.probs = DraftProbs()
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self.num_computed.pop(request_id, None)
+        self.probs.remove(request_ids)
+
+    def take_draft_probs(self, request_id: str, draft_token_ids: list[int]) -> Tensor | None:
+        return self.probs.take(request_id, draft_token_ids)
+
+
+class DraftModelDrafter(RunnerDrafter):
 
     def num_drafts(self, r: DraftRequest) -> int:
         """Drafts for `r`: draft j (1-based) is fed at position num_tokens - 1 + j, which
@@ -110,12 +125,3 @@ class DraftModelDrafter:
         for rid, token_ids in drafts.items():
             self.probs.put(rid, token_ids, qs[rid])
         return drafts
-
-    def remove(self, request_ids: Iterable[str]) -> None:
-        request_ids = list(request_ids)
-        for request_id in request_ids:
-            self.num_computed.pop(request_id, None)
-        self.probs.remove(request_ids)
-
-    def take_draft_probs(self, request_id: str, draft_token_ids: list[int]) -> Tensor | None:
-        return self.probs.take(request_id, draft_token_ids)

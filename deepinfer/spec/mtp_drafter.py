@@ -11,24 +11,18 @@ acceptance, never changes the output.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest
-from deepinfer.spec.draft_model import DraftProbs
+from deepinfer.spec.draft_model import RunnerDrafter
 from deepinfer.spec.draft_runner import DraftRunner
 from deepinfer.spec.drafter import DraftRequest
 
 
-class MTPDrafter:
+class MTPDrafter(RunnerDrafter):
     def __init__(self, runner: DraftRunner, num_speculative_tokens: int, vocab_size: int) -> None:
-        self.runner = runner
-        self.k = num_speculative_tokens
-        self.vocab_size = vocab_size
-        self.num_computed: dict[str, int] = {}  # MTP rows written below this position
-        self.probs = DraftProbs()
+        super().__init__(runner, num_speculative_tokens, vocab_size)  # MTP rows: num_computed
         self._hidden: Tensor | None = None  # the last target step's [T, hidden]
         self._rows: dict[str, tuple[int, int]] = {}  # request -> (first row, its first position)
 
@@ -100,12 +94,3 @@ class MTPDrafter:
         for rid, token_ids in drafts.items():
             self.probs.put(rid, token_ids, qs[rid])
         return drafts
-
-    def remove(self, request_ids: Iterable[str]) -> None:
-        request_ids = list(request_ids)
-        for request_id in request_ids:
-            self.num_computed.pop(request_id, None)
-        self.probs.remove(request_ids)
-
-    def take_draft_probs(self, request_id: str, draft_token_ids: list[int]) -> Tensor | None:
-        return self.probs.take(request_id, draft_token_ids)
