@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.integration.tiny_models import seeded_random_model
+
 VOCAB = 256
 
 _ATTN = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -68,26 +70,21 @@ MOE_KINDS = ["mixtral", "qwen3_moe", "qwen3_moe_sparse_step", "deepseek_v3", "de
              "deepseek_v2"]
 
 
+def _moe_std(name: str) -> float:
+    if name.endswith("mlp.gate.weight"):  # routers: decisive expert choices
+        return 0.5
+    if name == "lm_head.weight":  # logits spread wide: top-2 gaps far above fp32 noise
+        return 0.4
+    return 0.08
+
+
 def tiny_moe_model(kind: str, seed: int = 0, **overrides):
     """A seeded fp32 transformers model with every parameter (and the DeepSeek bias) random."""
-    from transformers import AutoModelForCausalLM
-
     config = tiny_moe_config(kind)
     for key, value in overrides.items():
         setattr(config, key, value)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
+    model, gen = seeded_random_model(config, seed, _moe_std)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):  # routers: decisive expert choices
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":  # logits spread wide: top-2 gaps far above fp32 noise
-                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))

@@ -42,13 +42,12 @@ def tiny_hf_config(kind: str):
     raise ValueError(kind)
 
 
-def tiny_hf_model(kind: str, seed: int = 0, **overrides):
-    """A seeded fp32 transformers model with every parameter randomised."""
+def seeded_random_model(config, seed: int, std_of):
+    """A fp32 transformers model from `config` whose parameters are all redrawn from one
+    seeded generator: norm weights 1 + 0.2·N(0, 1), every other parameter `std_of(name)`·N(0, 1).
+    Returns (model, generator) so a caller can keep drawing (e.g. buffers) from the same stream."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_hf_config(kind)
-    for key, value in overrides.items():
-        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -56,10 +55,18 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+                p.copy_(std_of(name) * torch.randn(p.shape, generator=gen))
+    return model, gen
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides):
+    """A seeded fp32 transformers model with every parameter randomised."""
+    config = tiny_hf_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model, _ = seeded_random_model(config, seed,
+                                   lambda name: 0.2 if name.endswith(".bias") else 0.08)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
