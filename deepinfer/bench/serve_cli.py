@@ -17,7 +17,7 @@ import time
 from deepinfer.bench.errors import BenchError
 from deepinfer.bench.latency_stats import format_summary, request_columns, summarize
 from deepinfer.bench.serve_client import BenchRun, ClientConfig, run_benchmark
-from deepinfer.bench.traces import ShrinkConfig
+from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
 
 
@@ -35,23 +35,7 @@ def register(sub) -> None:
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-concurrency", type=int, default=None)
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="random",
-                   help="random | shared-prefix | trace:PATH (.jsonl Mooncake, .csv Azure)")
-    w.add_argument("--num-prompts", type=int, default=100)
-    w.add_argument("--input-len", type=int, default=256)
-    w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--range-ratio", type=float, default=0.0)
-    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
-    w.add_argument("--shared-prefix-len", type=int, default=512)
-    w.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson req/s (inf: all at once); default: trace timestamps, else inf")
-    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times")
-    w.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths")
-    w.add_argument("--max-input-len", type=int, default=None)
-    w.add_argument("--max-output-len", type=int, default=None)
-    w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
-    w.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     o = p.add_argument_group("report")
     o.add_argument("--slo-ttft-ms", type=float, default=None)
     o.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -62,18 +46,7 @@ def register(sub) -> None:
 
 
 def _configs(args) -> tuple[WorkloadConfig, ClientConfig]:
-    try:
-        low, high = (int(x) for x in args.token_id_range.split(","))
-    except ValueError:
-        raise ValueError("--token-id-range must be LOW,HIGH") from None
-    if args.workload.startswith("trace:") and not os.path.exists(args.workload[6:]):
-        raise ValueError(f"trace file not found: {args.workload[6:]}")
-    shrink = ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len)
-    workload = WorkloadConfig(
-        kind=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
-        output_len=args.output_len, range_ratio=args.range_ratio, num_groups=args.num_groups,
-        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
-        time_scale=args.time_scale, shrink=shrink, token_id_range=(low, high), seed=args.seed)
+    workload = workload_config_from_args(args)
     prompt_format = args.prompt_format or ("text" if args.endpoint == "chat" else "tokens")
     client = ClientConfig(
         base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,

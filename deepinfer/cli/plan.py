@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.cli.simulate import add_workload_args, workload_config_from_args
+from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
 
 
 def register(sub) -> None:

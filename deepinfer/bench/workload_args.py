@@ -1,0 +1,46 @@
+"""The workload flags shared by `deepinfer bench serve`, `simulate` and `plan` (same names, same
+defaults), and the `WorkloadConfig` they describe."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from deepinfer.bench.traces import ShrinkConfig
+from deepinfer.bench.workloads import WorkloadConfig
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="random",
+                   help="random | shared-prefix | trace:PATH (.jsonl Mooncake, .csv Azure)")
+    w.add_argument("--num-prompts", type=int, default=100)
+    w.add_argument("--input-len", type=int, default=256)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--range-ratio", type=float, default=0.0)
+    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
+    w.add_argument("--shared-prefix-len", type=int, default=512)
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson req/s (inf: all at once); default: trace timestamps, else inf")
+    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace times")
+    w.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths")
+    w.add_argument("--max-input-len", type=int, default=None)
+    w.add_argument("--max-output-len", type=int, default=None)
+    w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
+    w.add_argument("--seed", type=int, default=0)
+
+
+def workload_config_from_args(args) -> WorkloadConfig:
+    """Raises ValueError for a bad --token-id-range or a missing trace file."""
+    try:
+        low, high = (int(x) for x in args.token_id_range.split(","))
+    except ValueError:
+        raise ValueError("--token-id-range must be LOW,HIGH") from None
+    if args.workload.startswith("trace:") and not os.path.exists(args.workload[6:]):
+        raise ValueError(f"trace file not found: {args.workload[6:]}")
+    return WorkloadConfig(
+        kind=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio, num_groups=args.num_groups,
+        shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+        time_scale=args.time_scale,
+        shrink=ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len),
+        token_id_range=(low, high), seed=args.seed)
