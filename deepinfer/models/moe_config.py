@@ -125,17 +125,8 @@ def moe_config_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
         return _deepseek_v2_moe(cfg)
     if arch == "deepseek_v3":
         _require_silu(cfg)
-        scoring = cfg.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise ValueError(f"unsupported scoring_func {scoring!r} for DeepSeek-V3 (supported: sigmoid)")
-        method = cfg.get("topk_method", "noaux_tc")
-        if method != "noaux_tc":
-            raise ValueError(f"unsupported topk_method {method!r} for DeepSeek-V3 (supported: noaux_tc)")
-        num_layers = int(cfg["num_hidden_layers"])
-        first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
-        freq = int(cfg.get("moe_layer_freq", 1) or 1)
-        if freq != 1:
-            raise ValueError(f"unsupported moe_layer_freq {freq} (supported: 1)")
+        _require_choice(cfg, "scoring_func", "sigmoid", ("sigmoid",), "DeepSeek-V3")
+        _require_choice(cfg, "topk_method", "noaux_tc", ("noaux_tc",), "DeepSeek-V3")
         return MoEConfig(
             num_experts=int(cfg["n_routed_experts"]),
             num_experts_per_tok=int(cfg["num_experts_per_tok"]),
@@ -147,7 +138,7 @@ def moe_config_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
             topk_group=int(cfg.get("topk_group") or 1),
             use_correction_bias=True,
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            dense_layers=frozenset(range(min(first_dense, num_layers))),
+            dense_layers=_deepseek_dense_layers(cfg),
             router_fp32=True)
     return None
 
@@ -156,19 +147,9 @@ def _deepseek_v2_moe(cfg: dict[str, Any]) -> MoEConfig:
     """DeepSeek-V2: softmax scores, greedy or group-limited greedy (a group scored by its best
     expert), no selection bias; renormalised only when norm_topk_prob (false in V2 releases)."""
     _require_silu(cfg)
-    scoring = cfg.get("scoring_func", "softmax")
-    if scoring != "softmax":
-        raise ValueError(f"unsupported scoring_func {scoring!r} for DeepSeek-V2 (supported: softmax)")
-    method = cfg.get("topk_method", "greedy")
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"unsupported topk_method {method!r} for DeepSeek-V2 "
-                         "(supported: greedy, group_limited_greedy)")
+    _require_choice(cfg, "scoring_func", "softmax", ("softmax",), "DeepSeek-V2")
+    method = _require_choice(cfg, "topk_method", "greedy", ("greedy", "group_limited_greedy"), "DeepSeek-V2")
     grouped = method == "group_limited_greedy"
-    num_layers = int(cfg["num_hidden_layers"])
-    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
-    freq = int(cfg.get("moe_layer_freq", 1) or 1)
-    if freq != 1:
-        raise ValueError(f"unsupported moe_layer_freq {freq} (supported: 1)")
     return MoEConfig(
         num_experts=int(cfg["n_routed_experts"]),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
@@ -178,8 +159,26 @@ def _deepseek_v2_moe(cfg: dict[str, Any]) -> MoEConfig:
         n_group=int(cfg.get("n_group") or 1) if grouped else 1,
         topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        dense_layers=frozenset(range(min(first_dense, num_layers))),
+        dense_layers=_deepseek_dense_layers(cfg),
         router_fp32=True)
+
+
+def _require_choice(cfg: dict[str, Any], key: str, default: str, supported: tuple[str, ...],
+                    family: str) -> str:
+    value = cfg.get(key, default)
+    if value not in supported:
+        raise ValueError(f"unsupported {key} {value!r} for {family} (supported: {', '.join(supported)})")
+    return value
+
+
+def _deepseek_dense_layers(cfg: dict[str, Any]) -> frozenset[int]:
+    """DeepSeek V2/V3: the first `first_k_dense_replace` layers are dense, every later one MoE."""
+    num_layers = int(cfg["num_hidden_layers"])
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    if freq != 1:
+        raise ValueError(f"unsupported moe_layer_freq {freq} (supported: 1)")
+    return frozenset(range(min(first_dense, num_layers)))
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
