@@ -1,4 +1,5 @@
-"""torch.distributed for one rank of an EP group: NCCL on CUDA, gloo on CPU, on 127.0.0.1.
+"""torch.distributed for one rank of an EP group: NCCL on CUDA, gloo on CPU. The rendezvous
+address is 127.0.0.1 for the local launcher, rank 0's node IP for a group placed on Ray.
 
 Collectives carry a timeout, so a rank whose peer hangs fails (and exits) instead of waiting
 forever. Step headers always go over a gloo group on the CPU, also when the experts talk NCCL.
@@ -13,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -34,11 +35,12 @@ class RankGroup:
 
 
 def init_rank_group(rank: int, world_size: int, port: int, device: torch.device,
-                    backend: str | None, timeout_s: float) -> RankGroup:
+                    backend: str | None, timeout_s: float,
+                    host: str = "127.0.0.1") -> RankGroup:
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world_size, timeout=timeout, **kwargs)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return RankGroup(rank, world_size, device, control)
