@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from deepinfer.core.block_pool import BlockPool, KVBlock
-from deepinfer.core.prefix_hash import ROOT_HASH, BlockHash, hash_block_tokens
+from deepinfer.core.prefix_hash import ROOT_HASH, BlockHash, block_extra_keys, hash_block_tokens
 from deepinfer.core.request import Request
 
 
@@ -67,8 +67,9 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         parent = hashes[-1] if hashes else self.hash_salt
         for i in range(len(hashes), num_full):
-            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            parent = hash_block_tokens(parent, tokens)
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            extra = block_extra_keys(start, end, request.mm_placeholders)
+            parent = hash_block_tokens(parent, request.all_token_ids[start:end], extra)
             hashes.append(parent)
 
     def find_prefix(self, request: Request) -> PrefixHit:

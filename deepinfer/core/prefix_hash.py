@@ -1,7 +1,9 @@
 """Deterministic chained block hashes: one function for every cache tier and every process.
 
 hash(block i) = sha256(parent_hash || extra_keys || token ids of block i), truncated to 16 bytes.
-Only full blocks are hashed. The encoding is fixed-width little-endian so the value does not
+Only full blocks are hashed. A block overlapping an image placeholder carries (image hash, offset
+of the block's first image token within the image) per image as extra keys: image tokens all
+have the same id, so without them two different images would share blocks. The encoding is fixed-width little-endian so the value does not
 depend on PYTHONHASHSEED, the platform or the process.
 """
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Protocol
 
 BlockHash = bytes  # 16 bytes
 
@@ -29,16 +32,37 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int],
     return h.digest()[:16]
 
 
+class ImageSpan(Protocol):
+    """An image's expanded tokens at prompt positions [offset, offset + length)
+    (deepinfer.multimodal.mm_inputs.ImagePlaceholder)."""
+
+    image_hash: str
+    offset: int
+    length: int
+
+
+def block_extra_keys(start: int, end: int, images: Sequence[ImageSpan]) -> list[int | str]:
+    """Extra keys of the block holding token positions [start, end): for every image it
+    overlaps, the image hash and the offset of the block's first token within that image."""
+    keys: list[int | str] = []
+    for image in images:
+        if image.offset < end and start < image.offset + image.length:
+            keys += [image.image_hash, max(start, image.offset) - image.offset]
+    return keys
+
+
 def hash_request_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash = ROOT_HASH,
-                        start_block: int = 0) -> list[BlockHash]:
+                        start_block: int = 0, images: Sequence[ImageSpan] = ()) -> list[BlockHash]:
     """Chained hashes of the full blocks of `token_ids` from `start_block` on.
 
     `parent` must be the hash of block `start_block - 1` (or the root/salt for block 0).
+    `images`: the prompt's image placeholders (sorted by offset), hashed in as extra keys.
     """
     hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
     for i in range(start_block, num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        start, end = i * block_size, (i + 1) * block_size
+        parent = hash_block_tokens(parent, token_ids[start:end], block_extra_keys(start, end, images))
         hashes.append(parent)
     return hashes
 

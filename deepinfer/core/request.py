@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from deepinfer.core.prefix_hash import BlockHash
+from deepinfer.core.prefix_hash import BlockHash, ImageSpan
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -49,6 +49,8 @@ class Request:
     # Speculative decoding: draft tokens proposed after the last step, verified in the next
     # one. Never part of `all_token_ids` (so never hashed into the prefix cache).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Image placeholders in the prompt (sorted by offset): hashed into the overlapping blocks.
+    mm_placeholders: list[ImageSpan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
