@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WORKER_ROLES = ("prefill", "decode", "colocated")
+WORKER_ROLES = ("prefill", "decode", "colocated", "encode")
 
 
 @dataclass(frozen=True)
