@@ -58,3 +58,20 @@ def test_store_tier_behind_get_and_put():
     assert reader.get("other") is None
     assert reader.hits_by_tier == {"local": 1, "store": 1}
     assert (reader.hits, reader.misses) == (2, 1)
+
+
+def test_shared_store_tier_round_trips_embeddings_between_caches():
+    from deepinfer.kvstore.memory_store import MemoryKVBlockStore
+    from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
+
+    store = MemoryKVBlockStore(embedding_store_salt("weights-a"))
+    encoder_side = EmbeddingCache(1 << 20, store=StoreEmbeddingTier(store))
+    prefill_side = EmbeddingCache(1 << 20, store=StoreEmbeddingTier(store))
+    value = torch.arange(24, dtype=torch.float32).reshape(3, 8).to(torch.bfloat16)
+    encoder_side.put("abc", value)
+    got = prefill_side.get("abc")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, value)
+    assert prefill_side.hits_by_tier["store"] == 1
+    assert prefill_side.get("missing") is None
+    # Another model's salt never sees these embeddings.
+    assert embedding_store_salt("weights-a") != embedding_store_salt("weights-b")
