@@ -167,28 +167,22 @@ class WorkerActor:
         return True
 
 
-class RayWorkerProcess:
-    """`WorkerProcess` over one actor. Liveness comes from Ray: the actor's pending `wait()`
-    resolves when the loop ends and fails when the actor (or its node) dies."""
+class RayActorProcess:
+    """`WorkerProcess` over one actor whose `wait()` returns its loop's exit code. Liveness
+    comes from Ray: the pending `wait()` resolves when the loop ends and fails when the actor
+    (or its node) dies. Subclasses create the actor and call `_attach`."""
 
-    def __init__(self, actor_class, spec: WorkerSpec, options: dict) -> None:
-        self.spec = spec
-        self.name = f"deepinfer-{spec.worker_id}"
-        self._actor_class, self._options = actor_class, options
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.actor = None
         self._info_ref = self._wait_ref = None
         self._info: dict | None = None
         self._exitcode: int | None = None
         self.death_cause: str | None = None
 
-    def start(self) -> None:
-        try:
-            self.actor = self._actor_class.options(**self._options).remote(self.spec)
-            self._info_ref = self.actor.start.remote()
-            self._wait_ref = self.actor.wait.remote()
-        except Exception as exc:  # the front treats OSError as "could not spawn, back off"
-            raise OSError(f"Ray could not create the actor of {self.spec.worker_id}: {exc}") \
-                from exc
+    def _attach(self, actor, info_ref) -> None:
+        self.actor, self._info_ref = actor, info_ref
+        self._wait_ref = actor.wait.remote()
 
     @property
     def info(self) -> dict | None:
@@ -232,7 +226,7 @@ class RayWorkerProcess:
             self._exitcode = -9
             self.death_cause = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                 type(exc).__name__
-            logger.warning("Ray actor of %s died: %s", self.spec.worker_id, self.death_cause)
+            logger.warning("Ray actor %s died: %s", self.name, self.death_cause)
         ray.kill(self.actor, no_restart=True)  # a loop that ended leaves an idle actor
 
     def kill(self) -> None:
@@ -247,11 +241,58 @@ class RayWorkerProcess:
             self.is_alive()
 
 
+class RayWorkerProcess(RayActorProcess):
+    """One prefill/decode worker's actor."""
+
+    def __init__(self, actor_class, spec: WorkerSpec, options: dict) -> None:
+        super().__init__(f"deepinfer-{spec.worker_id}")
+        self.spec = spec
+        self._actor_class, self._options = actor_class, options
+
+    def start(self) -> None:
+        try:
+            actor = self._actor_class.options(**self._options).remote(self.spec)
+            self._attach(actor, actor.start.remote())
+        except Exception as exc:  # the front treats OSError as "could not spawn, back off"
+            raise OSError(f"Ray could not create the actor of {self.spec.worker_id}: {exc}") \
+                from exc
+
+
 def _route_ip_to(host: str) -> str:
     """This machine's address on the route to `host` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), 9))
         return s.getsockname()[0]
+
+
+def connect_ray(address: str | None, init_kwargs: dict | None = None) -> bool:
+    """Connect this process to Ray unless it already is (an already initialised Ray,
+    `address`, RAY_ADDRESS, a cluster started with `ray start` here, else a new local one).
+    True when this call connected (the caller then shuts Ray down on close)."""
+    import ray
+    if ray.is_initialized():
+        return False
+    kwargs = dict(init_kwargs or {})
+    if address is not None:
+        kwargs["address"] = address
+    try:
+        ray.init(**kwargs)
+    except (ConnectionError, TimeoutError) as exc:
+        where = address or os.environ.get("RAY_ADDRESS")
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"cannot connect to Ray at {where}: {first}") from None
+    return True
+
+
+def front_host_for(address: str | None, front_host: str | None) -> str:
+    """Where the front binds its sockets: `front_host` when given; through Ray Client the
+    driver runs here, so this machine's address towards the head; else this node's IP."""
+    import ray
+    if front_host is not None:
+        return front_host
+    if address is not None and address.startswith("ray://"):
+        return _route_ip_to(address[len("ray://"):].rsplit(":", 1)[0])
+    return ray.util.get_node_ip_address()
 
 
 class RayLauncher:
@@ -271,23 +312,9 @@ class RayLauncher:
         self.role_resources = {r: role_resources.get(r) or RoleResources() for r in CLUSTER_ROLES}
         self.kv_store_shared = kv_store_shared
         self.address = address
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            kwargs = dict(init_kwargs or {})
-            if address is not None:
-                kwargs["address"] = address
-            try:
-                ray.init(**kwargs)
-            except ConnectionError as exc:
-                raise ValueError(f"cannot connect to Ray at "
-                                 f"{address or os.environ.get('RAY_ADDRESS')}: {exc}") from None
+        self._owns_ray = connect_ray(address, init_kwargs)
         self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        if front_host is not None:
-            self._front_host = front_host
-        elif address is not None and address.startswith("ray://"):  # the driver is here
-            self._front_host = _route_ip_to(address[len("ray://"):].rsplit(":", 1)[0])
-        else:
-            self._front_host = ray.util.get_node_ip_address()
+        self._front_host = front_host_for(address, front_host)
         self._actor_class = ray.remote(max_restarts=0, max_task_retries=0,
                                        max_concurrency=ACTOR_MAX_CONCURRENCY)(WorkerActor)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import traceback
 
 import torch
@@ -33,8 +34,11 @@ def rank_device(engine_config, rank: int) -> torch.device:
     return device
 
 
-def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int | None):
-    """(LLMEngine, ExpertParallelRuntime | None, RankGroup | None) for this rank."""
+def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int | None,
+                      engine_cls=None, master_addr: str = "127.0.0.1"):
+    """(LLMEngine, ExpertParallelRuntime | None, RankGroup | None) for this rank. `engine_cls`:
+    an LLMEngine subclass (e.g. the disaggregated decode engine of an EP decode rank). The group
+    rendezvous is at master_addr:port (rank 0's node IP on Ray)."""
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
     from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
@@ -58,23 +62,24 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
         from deepinfer.moe.expert_parallel import ExpertParallelRuntime
 
         group = init_rank_group(rank, world, port, device, ep_config.backend,
-                                ep_config.collective_timeout_s)
+                                ep_config.collective_timeout_s, host=master_addr)
         runtime = ExpertParallelRuntime(
             model, rank, world, ep_config.dispatcher,
             ep_config.eplb if ep_config.enable_eplb else None, ep_config.num_redundant_experts)
     if device.type == "cpu":  # as LLMEngine does for a model it loads itself
         pack_linear_weights(model)
         install_elementwise_kernels(model)
-    engine = LLMEngine(config, source=source, model=model)
+    engine = (engine_cls or LLMEngine)(config, source=source, model=model)
     if runtime is not None:
         engine.runner.empty_step_hook = runtime.run_empty_step
     return engine, runtime, group
 
 
 def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | None,
-                  input_addr: str, output_addr: str, parent_pid: int,
-                  log_level: str = "WARNING") -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops us with Shutdown
+                  input_addr: str, output_addr: str, parent_pid: int | None,
+                  log_level: str = "WARNING", master_addr: str = "127.0.0.1") -> None:
+    if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops us with Shutdown
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     ctx = zmq.Context()
@@ -86,7 +91,8 @@ def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | Non
     output_socket.connect(output_addr)
     encoder = make_encoder()
     try:
-        engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port)
+        engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port,
+                                                   master_addr=master_addr)
         output_socket.send(encoder.encode(EngineReady(
             model_name=engine.model_name, max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size),

@@ -45,13 +45,19 @@ def ray_cluster():
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
     temp_dir = tempfile.mkdtemp(prefix="dray")
+    with socket.socket() as s:  # the head's Ray Client server (ray://) port
+        s.bind(("127.0.0.1", 0))
+        client_port = s.getsockname()[1]
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir,
+        "ray_client_server_port": client_port})
+    # ep_node: room for one EP group of 2 ranks (the EP tests at the end) beside decode-0.
     nodes = {"prefill": cluster.add_node(num_cpus=2, resources={"prefill_node": 2}),
-             "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 2})}
+             "decode": cluster.add_node(num_cpus=3, resources={"decode_node": 2, "ep_node": 2})}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     node_ids = {role: node.node_id for role, node in nodes.items()}
+    node_ids["ray_client"] = f"ray://127.0.0.1:{client_port}"
     yield node_ids
     ray.shutdown()
     cluster.shutdown()
@@ -239,3 +245,159 @@ def test_scaling_decode_1_2_1_under_load_loses_no_request(p1d1, engine_base_llm)
     p1d1.wait_for(lambda: not removed.proc.is_alive(), timeout=30, what="decode-1 actor gone")
     assert removed.proc.exitcode == 0  # it finished and exited cleanly (ShutdownWorker)
     wait_all_idle(p1d1)
+
+
+# --- EP groups as Ray placement groups -------------------------------------------------------
+# Last in the file: the group takes the decode node's 2 spare CPUs, after scaling gave back
+# decode-1's.
+
+EP_LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+
+
+def test_ep_group_on_ray_equals_local_group_and_restarts_after_a_killed_rank(
+        ray_cluster, tmp_path, default_model_source):
+    """An EP group of 2 ranks placed STRICT_PACK on the `ep_node` node: the same greedy tokens
+    and logprobs as the local launcher's group (EPLB moving experts mid-generation, over TCP
+    on the node IP), placement read back from Ray, and a rank actor killed under load ends
+    every request (nothing hangs) and the group comes back in a new placement group."""
+    from ray.util import placement_group_table
+
+    from deepinfer.cluster.ray_ep_group import RayRankPlacement
+    from deepinfer.ep.ep_config import EPConfig
+    from deepinfer.moe.eplb_config import EPLBConfig
+    from deepinfer.server.engine_supervisor import EngineRestartPolicy
+    from tests.integration.expert_parallel_harness import GroupRunner, write_checkpoint
+    from tests.integration.moe_checkpoints import random_prompts
+
+    directory = write_checkpoint("deepseek_v3", tmp_path, seed=31,
+                                 tokenizer=default_model_source.load_tokenizer())
+    prompts = random_prompts(seed=9, lengths=(3, 17, 40, 9, 25, 5))
+    ep = EPConfig(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                  eplb=EPLBConfig(window_size=4, step_interval=3, num_redundant_experts=2),
+                  collective_timeout_s=10.0)
+    local = GroupRunner(directory, ep)
+    try:
+        want = local.generate(prompts, params=EP_LONG)
+    finally:
+        local.close()
+
+    placement = RayRankPlacement(resources=RoleResources(custom={"ep_node": 1}))
+    group = RayGroupRunner(directory, ep, placement, restart_policy=EngineRestartPolicy(
+        max_restarts=2, initial_backoff_s=0.2, max_backoff_s=1.0))
+    client = group.client
+    try:
+        got = group.generate(prompts, params=EP_LONG)
+        for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, want)):
+            assert tokens == ref_tokens, f"prompt {i}: {tokens} != {ref_tokens}"
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, i
+        handle = client.groups[0]
+        assert handle.num_rebalances >= 1 and handle.moved_bytes > 0, "no expert moved"
+        # Placement, as Ray reports it: both bundles on the ep_node node, each rank in its own.
+        table = placement_group_table(handle.pg)
+        assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
+        assert set(table["bundles_to_node_id"].values()) == {ray_cluster["decode"]}
+        assert all(b == {"CPU": 1.0, "ep_node": 1.0} for b in table["bundles"].values())
+        ranks = handle.placements()
+        assert [r["node_id"] for r in ranks] == [ray_cluster["decode"]] * 2
+        assert {r["placement_group_id"] for r in ranks} == {handle.pg.id.hex()}
+        # The rendezvous and the front's sockets are TCP on addresses Ray reports.
+        assert handle.rendezvous[0] == ranks[0]["node_ip"]
+        assert all(h.proc.addresses[0].startswith(f"tcp://{placement.front_host()}:")
+                   for h in handle.ranks)
+
+        # --- kill rank 1's actor while both ranks run requests.
+        old_pg, old_actor = handle.pg, handle.ranks[1].proc.actor
+
+        async def kill_under_load():
+            tasks = [asyncio.ensure_future(_ep_outcome(group, p, rank=i % 2))
+                     for i, p in enumerate(prompts)]
+            while not (handle.ranks[0].stats.num_running and handle.ranks[1].stats.num_running):
+                await asyncio.sleep(0.02)
+            ray.kill(old_actor, no_restart=True)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # no hang
+
+        results = group.run(kill_under_load())
+        for i, (status, value) in enumerate(results):
+            if status == "ok":
+                assert value == want[i][0], f"prompt {i} finished with wrong tokens"
+            else:
+                assert "data-parallel group 0 lost: rank 1" in value, value
+        assert any(status == "error" for status, _ in results), "the kill hit a request"
+        group.wait_for(lambda: handle.healthy, timeout_s=READY_DEADLINE_S)
+        assert client.num_restarts == 1 and handle.pg.id != old_pg.id
+        assert placement_group_table(old_pg)["state"] == "REMOVED"
+        assert handle.ranks[1].proc.actor._actor_id != old_actor._actor_id
+        assert [t for t, _ in group.generate(prompts[:2], params=EP_LONG)] == \
+            [t for t, _ in want[:2]]
+        last_pg = handle.pg
+    finally:
+        group.close()
+    assert placement_group_table(last_pg)["state"] == "REMOVED"  # resources back to Ray
+
+
+class RayGroupRunner:
+    """`GroupRunner`'s helpers over a `RayDataParallelClient`."""
+
+    def __init__(self, directory: str, ep_config, placement, **client_kwargs) -> None:
+        from deepinfer.cluster.ray_ep_group import RayDataParallelClient
+        from deepinfer.engine.engine_config import EngineConfig
+        from tests.integration.expert_parallel_harness import GroupRunner
+
+        self.loop = asyncio.new_event_loop()
+        config = EngineConfig(model=directory, dtype="float32", num_kv_blocks=128, num_threads=1,
+                              seed=0)
+        self.client = RayDataParallelClient(config, ep_config, placement,
+                                            ready_timeout_s=READY_DEADLINE_S, **client_kwargs)
+        self._ids = 0
+        for name in ("run", "collect", "generate", "wait_for", "close"):
+            setattr(self, name, getattr(GroupRunner, name).__get__(self))
+        self.run(self.client.start())
+
+
+async def _ep_outcome(group, prompt, rank):
+    from deepinfer.server.engine_client import EngineDeadError
+    tokens = []
+    try:
+        async for delta in group.client.generate(f"kill-{rank}-{len(prompt)}", prompt, EP_LONG,
+                                                 rank=rank):
+            tokens += delta.choices[0].token_ids
+    except EngineDeadError as e:
+        return "error", str(e)
+    return "ok", tokens
+
+
+# --- Ray Client (ray://) ---------------------------------------------------------------------
+
+
+def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster,
+                                                                     engine_base_llm):
+    """`deepinfer serve --cluster ray://127.0.0.1:PORT` (the head's Ray Client server): the
+    front runs in its own process, connected only through Ray Client; its workers land on the
+    role nodes and greedy outputs over HTTP equal the colocated engine."""
+    import httpx
+
+    from tests.integration.serve_process import ServeProcess
+
+    server = ServeProcess(
+        "--dtype", "float32", "--threads", "1", "--num-kv-blocks", "256",
+        "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+        "--cluster", ray_cluster["ray_client"],
+        "--prefill-resources", '{"num_cpus": 0.5, "prefill_node": 1}',
+        "--decode-resources", '{"num_cpus": 0.5, "decode_node": 1}')
+    try:
+        server.wait_ready(timeout_s=READY_DEADLINE_S)
+        workers = httpx.get(f"{server.url}/admin/workers", timeout=30).json()["workers"]
+        nodes = {w["worker_id"]: w["placement"]["node_id"] for w in workers}
+        assert nodes == {"prefill-0": ray_cluster["prefill"], "decode-0": ray_cluster["decode"]}
+        encode = engine_base_llm.get_tokenizer().encode
+        prompts = {f"client-{i}": encode(_corpus_from(i))[:16 + 5 * i] for i in range(3)}
+        want = reference(engine_base_llm, prompts)
+        for rid, ids in prompts.items():
+            body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": "x", "prompt": ids, "max_tokens": GREEDY.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
+            assert body["choices"][0]["token_ids"] == want[rid], (rid, body)
+    finally:
+        log = server.output()
+        code = server.stop()
+    assert code == 0, log

@@ -1,0 +1,331 @@
+"""Data-parallel / expert-parallel rank groups on Ray (`deepinfer serve --cluster ray
+--data-parallel-size N --enable-expert-parallel`).
+
+Each group of N ranks reserves one Ray placement group of N bundles (`STRICT_PACK` by
+default: one node, its NVLink; `PACK` / `SPREAD` let a wide group span nodes); rank r is an
+actor scheduled into bundle r and runs the unchanged `ep.rank_proc.run_rank_proc` in a thread.
+What changes against the local launcher is only addressing and lifecycle:
+
+- the front's sockets are `tcp://` on an address every node reaches (not `ipc://`);
+- the ranks' torch.distributed rendezvous is rank 0's node IP (as Ray reports it) and a port
+  free there, not 127.0.0.1; gloo / NCCL are pointed at the interface holding that IP;
+- a rank's death is seen through Ray (its pending `wait()` fails) as well as through the
+  rank's own EngineDead; the group is then killed as a whole, its placement group removed,
+  and `DataParallelClient`'s supervisor starts a new one (actors have `max_restarts=0`).
+
+Ray is imported only when a `RayRankPlacement` is made."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from deepinfer.cluster.ray_launcher import (ACTOR_MAX_CONCURRENCY, RayActorProcess,
+                                            RoleResources, connect_ray, front_host_for)
+from deepinfer.ep.dp_client import DataParallelClient
+from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
+from deepinfer.server.engine_client import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DEFAULT_STRATEGY = "STRICT_PACK"
+EP_RESOURCES_HELP = ("--cluster ray: JSON object of Ray resources per rank of a data/expert-"
+                     "parallel group (one placement-group bundle each), e.g. "
+                     "'{\"num_gpus\": 1, \"decode_node\": 1}' (default: 1 CPU, and 1 GPU when "
+                     "the cluster has GPUs)")
+STRATEGY_HELP = ("--cluster ray: how a group's bundles spread over nodes: STRICT_PACK (one "
+                 "node; default), PACK (as few nodes as fit), SPREAD, STRICT_SPREAD")
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface holding `ip` on this machine (None when none does)."""
+    import psutil
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return name
+    return None
+
+
+class RankActor:
+    """One rank of a group: `where` says where it runs, `free_port` picks a port on its node
+    (rank 0's is the group's rendezvous), `start` runs the rank loop in a thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._exit_code: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def where(self) -> dict:
+        import ray
+        context = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": context.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "actor_id": context.get_actor_id(),
+                "placement_group_id": context.get_placement_group_id()}
+
+    def free_port(self) -> int:
+        import ray
+
+        from deepinfer.ep.process_group import free_port
+        return free_port(ray.util.get_node_ip_address())
+
+    def start(self, kwargs: dict) -> None:
+        import ray
+        # Collectives must leave through the interface that holds the node IP Ray reports
+        # (gloo otherwise resolves the hostname, which may name a loopback address).
+        interface = interface_of(ray.util.get_node_ip_address())
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(kwargs,), daemon=True,
+                                            name=f"deepinfer-rank{kwargs['rank']}")
+            self._thread.start()
+
+    def _run(self, kwargs: dict) -> None:
+        from deepinfer.ep.rank_proc import run_rank_proc
+        code = 0
+        try:
+            run_rank_proc(**kwargs)  # no parent pid: Ray ends the actor with its owner
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # reported to the front as EngineDead where possible
+            logger.exception("rank %s failed", kwargs.get("rank"))
+            code = 1
+        self._exit_code = code
+        self._done.set()
+
+    def wait(self) -> int:
+        self._done.wait()
+        return self._exit_code
+
+
+class RayRankProcess(RayActorProcess):
+    """A rank's actor, as the process handle `RankHandle.proc` expects."""
+
+    def __init__(self, actor_class, options: dict, name: str) -> None:
+        super().__init__(name)
+        self._actor_class, self.options = actor_class, options
+        self.addresses: tuple[str, str] | None = None  # the front's (input, output) sockets
+
+    def create(self) -> None:
+        actor = self._actor_class.options(**self.options).remote()
+        self._attach(actor, actor.where.remote())
+
+    def start_rank(self, **kwargs) -> None:
+        self.actor.start.remote(kwargs)  # failures show in wait() or as EngineDead
+
+
+def bundles_that_fit(bundle: dict[str, float], node_resources: dict[str, float]) -> int:
+    """How many copies of `bundle` a node's total resources hold."""
+    return int(min(node_resources.get(k, 0.0) // v for k, v in bundle.items()))
+
+
+class RayRankPlacement:
+    """Connects to Ray (as `RayLauncher` does) and reserves one placement group per group
+    incarnation."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, resources: RoleResources | None = None,
+                 strategy: str = DEFAULT_STRATEGY, front_host: str | None = None,
+                 init_kwargs: dict | None = None) -> None:
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"--ep-placement-strategy must be one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+        import ray
+        self.resources = resources or RoleResources()
+        self.strategy = strategy
+        self.address = address
+        self._owns_ray = connect_ray(address, init_kwargs)
+        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self._front_host = front_host_for(address, front_host)
+        self._actor_class = ray.remote(max_restarts=0, max_task_retries=0,
+                                       max_concurrency=ACTOR_MAX_CONCURRENCY)(RankActor)
+
+    def front_host(self) -> str:
+        return self._front_host
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's resources in Ray's names: one bundle of the placement group."""
+        return self.resources.request(self._has_gpus)
+
+    def check(self, size: int) -> None:
+        """Refuse a group no set of alive nodes can hold (it would wait forever)."""
+        import ray
+        bundle = self.bundle()
+        if not bundle:
+            raise ValueError("--ep-rank-resources: a rank must ask for some resource "
+                             "(Ray placement-group bundles cannot be empty)")
+        per_node = [bundles_that_fit(bundle, n.get("Resources", {}))
+                    for n in ray.nodes() if n.get("Alive")]
+        room = {"STRICT_PACK": max(per_node, default=0),
+                "STRICT_SPREAD": sum(1 for n in per_node if n > 0)}.get(self.strategy,
+                                                                          sum(per_node))
+        if room < size:
+            raise ValueError(f"a group of {size} ranks asking for {bundle} each cannot be placed "
+                             f"{self.strategy} on this Ray cluster (room for {room}); cluster "
+                             f"resources: {ray.cluster_resources()}")
+
+    def reserve(self, size: int, timeout_s: float):
+        """A ready placement group of `size` bundles; EngineDeadError if Ray cannot give it
+        within `timeout_s` (e.g. the resources are held by others)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        pg = placement_group([self.bundle()] * size, strategy=self.strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise EngineDeadError(f"Ray did not place a group of {size} x {self.bundle()} "
+                                  f"({self.strategy}) within {timeout_s:.0f} s")
+        return pg
+
+    def rank_process(self, pg, rank: int, name: str) -> RayRankProcess:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        options = self.resources.actor_options(self._has_gpus)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=rank)
+        return RayRankProcess(self._actor_class, options, name)
+
+    @staticmethod
+    def release(pg) -> None:
+        from ray.util.placement_group import remove_placement_group
+        try:
+            remove_placement_group(pg)
+        except Exception as exc:  # Ray already gone (shutdown)
+            logger.warning("could not remove a placement group: %s", exc)
+
+    def close(self) -> None:
+        import ray
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+@dataclass
+class RayGroupHandle(GroupHandle):
+    """A group whose ranks are actors in one placement group (see the module docstring)."""
+
+    placement: RayRankPlacement | None = None
+    pg: object = None  # this incarnation's placement group
+    rendezvous: tuple[str, int] | None = None  # torch.distributed master (rank 0's node IP)
+
+    async def start(self, ctx, ipc_dir: str, engine_config, ep_config, log_level: str,
+                    ready_timeout_s: float) -> None:
+        self.incarnation += 1
+        self.ranks = []
+        deadline = time.monotonic() + ready_timeout_s
+        try:
+            self.pg = await asyncio.to_thread(self.placement.reserve, self.size, ready_timeout_s)
+            host = self.placement.front_host()
+            for r in range(self.size):
+                proc = self.placement.rank_process(
+                    self.pg, r, f"deepinfer-g{self.index}-rank{r}-{self.incarnation}")
+                proc.create()
+                input_socket = ctx.socket(zmq.PUSH)
+                input_socket.setsockopt(zmq.SNDHWM, 0)
+                input_port = input_socket.bind_to_random_port(f"tcp://{host}")
+                output_socket = ctx.socket(zmq.PULL)
+                output_socket.setsockopt(zmq.RCVHWM, 0)
+                output_port = output_socket.bind_to_random_port(f"tcp://{host}")
+                proc.addresses = (f"tcp://{host}:{input_port}", f"tcp://{host}:{output_port}")
+                self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
+                                             input_socket, output_socket))
+            master_addr, port = "127.0.0.1", None
+            if ep_config.enable_expert_parallel:
+                master_addr, port = await asyncio.to_thread(
+                    self._rendezvous, self.ranks[0].proc, deadline - time.monotonic())
+                self.rendezvous = (master_addr, port)
+            for h in self.ranks:
+                h.proc.start_rank(engine_config=engine_config, ep_config=ep_config, rank=h.rank,
+                                  port=port, input_addr=h.proc.addresses[0],
+                                  output_addr=h.proc.addresses[1], parent_pid=None,
+                                  log_level=log_level, master_addr=master_addr)
+            await asyncio.gather(*(self._wait_up(h, max(1.0, deadline - time.monotonic()))
+                                   for h in self.ranks))
+        except BaseException:
+            await self.kill()
+            raise
+        self.healthy, self.dead_message = True, None
+        self.healthy_since = time.monotonic()
+        self.lost.clear()
+
+    @staticmethod
+    def _rendezvous(rank0: RayRankProcess, timeout_s: float) -> tuple[str, int]:
+        """Rank 0's node IP (as Ray reports it) and a port free there."""
+        import ray
+        try:
+            where = ray.get(rank0._info_ref, timeout=max(1.0, timeout_s))
+            port = ray.get(rank0.actor.free_port.remote(), timeout=max(1.0, timeout_s))
+        except Exception as exc:
+            raise EngineDeadError(f"rank 0 did not start on Ray: "
+                                  f"{str(exc).strip().splitlines()[:1]}") from None
+        return where["node_ip"], port
+
+    async def kill(self) -> None:
+        await super().kill()
+        if self.pg is not None:
+            self.placement.release(self.pg)  # its resources go back to Ray for the restart
+            self.pg = None
+
+    def placements(self) -> list[dict]:
+        """Where each rank runs (as its actor read it from Ray)."""
+        return [{"rank": h.rank, **(h.proc.info or {})} for h in self.ranks]
+
+
+class RayDataParallelClient(DataParallelClient):
+    """`DataParallelClient` whose groups are placed on Ray."""
+
+    def __init__(self, engine_config, ep_config, placement: RayRankPlacement, **kwargs) -> None:
+        super().__init__(engine_config, ep_config, **kwargs)
+        self.placement = placement
+        self.groups = [RayGroupHandle(g.index, g.size, placement=placement) for g in self.groups]
+
+    async def start(self) -> None:
+        self.placement.check(self.groups[0].size)
+        await super().start()
+
+    async def shutdown(self) -> None:
+        try:
+            await super().shutdown()
+        finally:
+            self.placement.close()
+
+
+def dp_client_from_args(args, engine_config, ep_config, **client_kwargs) -> DataParallelClient:
+    """The client of `serve --data-parallel-size N [--enable-expert-parallel]`: rank processes
+    on this machine (`--cluster local`), or placement groups on Ray."""
+    kind = getattr(args, "cluster", "local")
+    resources = getattr(args, "ep_rank_resources", None)
+    strategy = getattr(args, "ep_placement_strategy", None)
+    if kind == "local":
+        for flag, value in (("--ep-rank-resources", resources),
+                            ("--ep-placement-strategy", strategy)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --cluster ray")
+        return DataParallelClient(engine_config, ep_config, **client_kwargs)
+    if kind != "ray" and not kind.startswith("ray://"):
+        from deepinfer.cluster.launcher import CLUSTER_KINDS_HELP
+        raise ValueError(f"unknown --cluster {kind!r}: choose {CLUSTER_KINDS_HELP}")
+    parsed = RoleResources.parse(resources, "--ep-rank-resources")
+    strategy = (strategy or DEFAULT_STRATEGY).upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"--ep-placement-strategy must be one of "
+                         f"{', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--cluster ray needs Ray: pip install 'deepinfer[ray]'") from None
+    placement = RayRankPlacement(address=None if kind == "ray" else kind, resources=parsed,
+                                 strategy=strategy, front_host=getattr(args, "cluster_host", None))
+    size = ep_config.data_parallel_size if ep_config.enable_expert_parallel else 1
+    try:
+        placement.check(size)
+    except ValueError:
+        placement.close()
+        raise
+    return RayDataParallelClient(engine_config, ep_config, placement, **client_kwargs)
