@@ -102,8 +102,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
+                input_embeds: Tensor | None = None) -> Tensor:
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions)  # [T, 1, d/2] each, shared by all layers
         for layer in self.layers:
             hidden = layer(cos, sin, hidden, attn)
@@ -135,9 +136,11 @@ class LlamaForCausalLM(nn.Module):
         self.logits_linear: nn.Module | None = None
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        """input_ids/positions [T] (tokens of any number of sequences) -> hidden [T, hidden]."""
-        return self.model(input_ids, positions, attn)
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
+                input_embeds: Tensor | None = None) -> Tensor:
+        """input_ids/positions [T] (tokens of any number of sequences) -> hidden [T, hidden].
+        `input_embeds` [T, hidden] replaces the token embeddings (image rows spliced in)."""
+        return self.model(input_ids, positions, attn, input_embeds)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ without torch. Built from a Hugging Face `config.json` dict or from GGUF metadat
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ HF_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+
+# HF vision-language `architectures` whose `text_config` is one of the decoders above.
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class ModelConfig:
     sliding_window: int | None = None
     moe: MoEConfig | None = None  # MoE routing and which layers are sparse; None = dense
     mla: MLAConfig | None = None  # DeepSeek latent attention; None = MHA/GQA
+    # A vision-language checkpoint's whole HF config (its text_config is what the fields above
+    # describe); None for a text-only model.
+    vision_language: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -79,6 +86,11 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a parsed HF `config.json`. Raises ValueError for other architectures."""
+        if any(a in VISION_LANGUAGE_ARCHITECTURES for a in cfg.get("architectures") or ()):
+            text = dict(cfg.get("text_config") or {})
+            if cfg.get("eos_token_id") is not None:  # merged from generation_config.json
+                text["eos_token_id"] = cfg["eos_token_id"]
+            return dataclasses.replace(cls.from_hf_config(text), vision_language=dict(cfg))
         arch = _architecture_of(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

@@ -58,4 +58,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(config: ModelConfig, dtype) -> nn.Module:
     """An unloaded model for `config` (call `load_weights` next)."""
+    if config.vision_language is not None:  # LLaVA: a vision tower in front of the decoder
+        from deepinfer.models.llava import LlavaForConditionalGeneration
+        return LlavaForConditionalGeneration(config, dtype=dtype)
     return get_model_class(config.architecture)(config, dtype=dtype)

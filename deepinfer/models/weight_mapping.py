@@ -64,12 +64,14 @@ def _destination(name: str, config, params: dict[str, nn.Parameter]) -> tuple[st
     return param_name, dest
 
 
-def load_hf_named_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]]) -> None:
-    """Fill `model` from HF-named tensors; see LlamaForCausalLM.load_weights."""
+def load_hf_named_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]],
+                          skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Fill `model` from HF-named tensors; see LlamaForCausalLM.load_weights. Parameters
+    named with `skip_prefixes` are the caller's to fill (e.g. a LLaVA vision tower)."""
     from deepinfer.models.moe_weight_mapping import is_extra_layer, normalize_moe_name
 
     config = model.config
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not n.startswith(skip_prefixes)}
     filled = {name: 0 for name in params}  # elements written, to find gaps
     seen: set[str] = set()
     for name, tensor in weights:

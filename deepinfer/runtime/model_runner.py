@@ -31,6 +31,9 @@ class ModelRunner:
         self.empty_step_hook = None
         # Speculative decoding: a deepinfer.spec.verifier.SpecVerifier samples the step.
         self.verifier = None
+        # Vision-language models: deepinfer.multimodal.engine_images.EngineImages splices image
+        # embeddings into the step's input embeddings.
+        self.mm_embeds = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -43,7 +46,11 @@ class ModelRunner:
         ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)
         input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
         attn = self._attention_backend(meta)
-        hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        embeds = self.mm_embeds.input_embeds(self.model, ordered, input_ids) if self.mm_embeds is not None else None
+        if embeds is None:
+            hidden = self.model(input_ids, positions, attn)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, attn, input_embeds=embeds)
         if self.verifier is not None:  # samples every draft position too
             result = self.verifier.sample(self.model, hidden, ordered)
             if self.device.type == "cuda":
