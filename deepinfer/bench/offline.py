@@ -22,6 +22,11 @@ def register(sub) -> None:
                    help="also run transformers' generate on the same workload")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts at once")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--profile", dest="profile_dir", default=None, metavar="DIR",
+                   help="torch.profiler traces of the first prefill step and of decode steps "
+                        "after warm-up into DIR (Chrome trace + op table); prints the top ops")
+    p.add_argument("--profile-decode-steps", type=int, default=8,
+                   help="decode steps to record with --profile (after 4 warm-up decode steps)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -32,7 +37,7 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list
     return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def run_engine(config, prompts: list[list[int]], output_len: int) -> dict:
+def run_engine(config, prompts: list[list[int]], output_len: int, trace=None) -> dict:
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
@@ -42,9 +47,17 @@ def run_engine(config, prompts: list[list[int]], output_len: int) -> dict:
     llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     llm.engine.scheduler.kv.pool.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    runner = llm.engine.runner
+    if trace is not None:  # wraps the instance's execute for the measured run only
+        runner.execute = trace.wrap(runner.execute)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        if trace is not None:
+            del runner.execute
+            trace.close()
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return _rates("deepinfer", elapsed, sum(map(len, prompts)), num_out,
                   [o.outputs[0].token_ids for o in outs])
@@ -80,6 +93,33 @@ def run_hf(config, prompts: list[list[int]], output_len: int, batch_size: int | 
     return _rates("hf", elapsed, sum(map(len, prompts)), sum(map(len, outputs)), outputs)
 
 
+def _step_trace(args: argparse.Namespace, config):
+    """A StepTrace for --profile (None without it); bad values are the CLI's one-line exit."""
+    if args.profile_dir is None:
+        return None
+    if args.profile_decode_steps < 1:
+        raise BenchError("--profile-decode-steps must be positive")
+    if os.path.exists(args.profile_dir) and not os.path.isdir(args.profile_dir):
+        raise BenchError(f"--profile {args.profile_dir}: exists and is not a directory")
+    from deepinfer.engine.llm_engine import resolve_device
+    from deepinfer.runtime.step_trace import StepTrace
+    return StepTrace(args.profile_dir, decode_steps=args.profile_decode_steps,
+                     device=resolve_device(config.device))
+
+
+def _print_profile(trace) -> dict:
+    from deepinfer.runtime.step_trace import format_top_ops
+    windows = trace.close()
+    if not windows:
+        print("profile: no step was recorded")
+    for w in windows:
+        print(format_top_ops(w))
+    if windows:
+        print("(timings above include the profiler's overhead)")
+    return {w.name: {"trace": w.trace_path, "ops": w.ops_path, "num_steps": w.num_recorded,
+                     "batch_sizes": w.batch_sizes} for w in windows}
+
+
 def _rates(name: str, elapsed: float, num_in: int, num_out: int, token_ids) -> dict:
     return {"name": name, "elapsed_s": elapsed, "num_input_tokens": num_in,
             "num_output_tokens": num_out, "output_tokens_per_s": num_out / elapsed,
@@ -94,12 +134,13 @@ def run(args: argparse.Namespace) -> int:
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
         raise BenchError("--num-prompts, --input-len and --output-len must be positive")
     config = engine_config_from_args(args)
+    trace = _step_trace(args, config)
     try:
         vocab = resolve_model(config.model).config.vocab_size
     except (FileNotFoundError, ValueError, OSError) as e:
         raise BenchError(f"cannot load model: {e}") from None
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
-    results = [run_engine(config, prompts, args.output_len)]
+    results = [run_engine(config, prompts, args.output_len, trace)]
     if args.baseline == "hf":
         results.append(run_hf(config, prompts, args.output_len, args.hf_batch_size))
     report = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -116,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"speed-up vs hf: {ratio:.2f}x   identical greedy outputs: {same}/{len(prompts)}")
         report["speedup_vs_hf"] = ratio
         report["identical_outputs_vs_hf"] = same
+    if trace is not None:
+        report["profile"] = _print_profile(trace)
     for r in results:
         r.pop("_token_ids")
     report["results"] = results
