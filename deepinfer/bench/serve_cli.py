@@ -47,6 +47,8 @@ def register(sub) -> None:
 
 def _configs(args) -> tuple[WorkloadConfig, ClientConfig]:
     workload = workload_config_from_args(args)
+    if workload.kind == "images" and args.endpoint != "chat":
+        raise ValueError("--workload images sends images in chat messages: add --endpoint chat")
     prompt_format = args.prompt_format or ("text" if args.endpoint == "chat" else "tokens")
     client = ClientConfig(
         base_url=args.base_url, model=args.model, api_key=args.api_key, endpoint=args.endpoint,

@@ -144,13 +144,21 @@ class ServeClient:
         if cfg.ignore_eos:
             body["ignore_eos"] = True
         if cfg.endpoint == "chat":
-            body.update(messages=[{"role": "user", "content": prompt}],
+            content = prompt
+            if request.images:  # images workload: text then each image as a PNG data URL
+                from deepinfer.bench.synthetic_images import image_data_url
+                content = [{"type": "text", "text": prompt}] + [
+                    {"type": "image_url", "image_url": {"url": image_data_url(spec)}}
+                    for spec in request.images]
+            body.update(messages=[{"role": "user", "content": content}],
                         max_completion_tokens=request.output_len)
             return f"{cfg.root_url}/v1/chat/completions", body
         body["prompt"] = prompt
         return f"{cfg.root_url}/v1/completions", body
 
     async def send(self, model: str, request: BenchRequest, run_start: float) -> RequestResult:
+        if request.images and self.config.endpoint != "chat":
+            raise ValueError("requests with images need the chat endpoint (--endpoint chat)")
         url, body = self._payload(model, request)
         result = RequestResult(success=False, prompt_len=len(request.prompt_token_ids))
         start = time.perf_counter()

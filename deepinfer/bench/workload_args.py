@@ -12,7 +12,7 @@ from deepinfer.bench.workloads import WorkloadConfig
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="random",
-                   help="random | shared-prefix | trace:PATH (.jsonl Mooncake, .csv Azure)")
+                   help="random | shared-prefix | images | trace:PATH (.jsonl Mooncake, .csv Azure)")
     w.add_argument("--num-prompts", type=int, default=100)
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=128)
@@ -27,6 +27,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-output-len", type=int, default=None)
     w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--images-per-request", type=int, default=1, help="images workload")
+    w.add_argument("--image-sizes", default="336x336", metavar="WxH[,WxH...]",
+                   help="images workload: sizes drawn uniformly per image")
+    w.add_argument("--num-unique-images", type=int, default=0,
+                   help="images workload: draw images from a pool of N (repeats); 0: all new")
 
 
 def workload_config_from_args(args) -> WorkloadConfig:
@@ -43,4 +48,18 @@ def workload_config_from_args(args) -> WorkloadConfig:
         shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
         time_scale=args.time_scale,
         shrink=ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len),
-        token_id_range=(low, high), seed=args.seed)
+        token_id_range=(low, high), seed=args.seed,
+        **image_workload_fields(args))
+
+
+def image_workload_fields(args) -> dict:
+    """The images workload's fields (absent flags, e.g. in `simulate`: defaults)."""
+    sizes_text = getattr(args, "image_sizes", "336x336")
+    try:
+        sizes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in sizes_text.split(","))
+        if any(len(s) != 2 for s in sizes):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--image-sizes must be WxH[,WxH...], got {sizes_text!r}") from None
+    return {"images_per_request": getattr(args, "images_per_request", 1), "image_sizes": sizes,
+            "num_unique_images": getattr(args, "num_unique_images", 0)}

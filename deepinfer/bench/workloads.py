@@ -3,6 +3,9 @@
     random          --input-len/--output-len (optionally +-range_ratio), random token ids
     shared-prefix   groups of prompts that share a system prompt of shared_prefix_len tokens
     trace:PATH      Mooncake JSONL (prefix hash_ids) or Azure CSV, optionally shrunk
+    images          random text plus images_per_request synthetic images per prompt (chat
+                    endpoint; sizes from image_sizes; num_unique_images > 0 draws them from a
+                    pool of that many, so images repeat and hit the embedding caches)
 
 Arrivals are open-loop: Poisson at `request_rate` (seeded; inf = all at once) or the trace's own
 timestamps times `time_scale`. Pure: stdlib + numpy; the same seed gives the same workload.
@@ -22,10 +25,20 @@ DEFAULT_TOKEN_ID_RANGE = (1000, 30000)  # inside every modern vocabulary, clear 
 
 
 @dataclass(frozen=True)
+class ImageSpec:
+    """A synthetic image: the client draws `width` x `height` random pixels from `seed`."""
+
+    seed: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     arrival_time_s: float  # from the start of the run
+    images: tuple[ImageSpec, ...] = ()  # sent as data URLs (chat endpoint)
 
 
 @dataclass(frozen=True)
@@ -42,11 +55,18 @@ class WorkloadConfig:
     shrink: ShrinkConfig = field(default_factory=ShrinkConfig)
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE
     seed: int = 0
+    images_per_request: int = 1  # images workload
+    image_sizes: tuple[tuple[int, int], ...] = ((336, 336),)  # (width, height), drawn uniformly
+    num_unique_images: int = 0  # 0: every image new; N: drawn from a pool of N
 
     def __post_init__(self) -> None:
-        if not (self.kind in ("random", "shared-prefix") or self.kind.startswith("trace:")):
-            raise ValueError(f"unknown workload {self.kind!r}: use random, shared-prefix or "
-                             "trace:PATH")
+        if not (self.kind in ("random", "shared-prefix", "images") or self.kind.startswith("trace:")):
+            raise ValueError(f"unknown workload {self.kind!r}: use random, shared-prefix, images "
+                             "or trace:PATH")
+        if self.images_per_request < 0 or self.num_unique_images < 0:
+            raise ValueError("images_per_request and num_unique_images must be >= 0")
+        if not self.image_sizes or any(w < 1 or h < 1 for w, h in self.image_sizes):
+            raise ValueError("image sizes must be at least 1x1")
         checks = [(self.num_prompts >= 1, "num_prompts must be at least 1"),
                   (self.input_len >= 1 and self.output_len >= 1,
                    "input_len and output_len must be at least 1"),
@@ -108,6 +128,20 @@ def shared_prefix_workload(cfg: WorkloadConfig, rng: np.random.Generator) -> tup
                    f"output {cfg.output_len}")
 
 
+def image_specs(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple[ImageSpec, ...]]:
+    """`images_per_request` images per prompt: new ones, or drawn from a pool of
+    `num_unique_images` (repeats, as when users send the same picture again)."""
+    def new(seed: int) -> ImageSpec:
+        w, h = cfg.image_sizes[int(rng.integers(len(cfg.image_sizes)))]
+        return ImageSpec(seed, int(w), int(h))
+
+    k = cfg.images_per_request
+    if cfg.num_unique_images == 0:
+        return [tuple(new(i * k + j) for j in range(k)) for i in range(cfg.num_prompts)]
+    pool = [new(s) for s in range(cfg.num_unique_images)]
+    return [tuple(pool[int(j)] for j in rng.integers(len(pool), size=k)) for _ in range(cfg.num_prompts)]
+
+
 def read_trace(path: str, limit: int) -> list[TraceRow]:
     if path.endswith(".jsonl"):
         return read_mooncake_jsonl(path, limit)
@@ -143,8 +177,16 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     """The requests of `cfg`, sorted by arrival time."""
     rng = np.random.default_rng(cfg.seed)
     trace_times = None
+    images = [()] * cfg.num_prompts
     if cfg.kind == "random":
         items, description = random_workload(cfg, rng)
+    elif cfg.kind == "images":
+        items, description = random_workload(cfg, rng)
+        images = image_specs(cfg, np.random.default_rng([cfg.seed, 2]))
+        sizes = ", ".join(f"{w}x{h}" for w, h in cfg.image_sizes)
+        pool = f"a pool of {cfg.num_unique_images}" if cfg.num_unique_images else "all distinct"
+        description = description.replace("random:", "images:", 1) + (
+            f", {cfg.images_per_request} image(s) of {sizes} per prompt ({pool})")
     elif cfg.kind == "shared-prefix":
         items, description = shared_prefix_workload(cfg, rng)
     else:
@@ -156,6 +198,6 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     else:
         times = trace_times
         description += "; arrivals: trace timestamps"
-    requests = [BenchRequest(p, o, t) for (p, o), t in zip(items, times)]
+    requests = [BenchRequest(p, o, t, imgs) for (p, o), t, imgs in zip(items, times, images)]
     requests.sort(key=lambda r: r.arrival_time_s)
     return Workload(requests, description)

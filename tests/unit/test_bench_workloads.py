@@ -164,3 +164,44 @@ def test_real_mooncake_trace_every_request_shares_the_system_block():
     reqs = build_workload(cfg).requests
     first_block = reqs[0].prompt_token_ids[:8]
     assert all(r.prompt_token_ids[:8] == first_block for r in reqs)
+
+
+def test_images_workload_sizes_repeats_and_data_urls():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from deepinfer.bench.synthetic_images import image_data_url
+    from deepinfer.bench.workloads import WorkloadConfig, build_workload
+
+    distinct = build_workload(WorkloadConfig(kind="images", num_prompts=6, input_len=8, output_len=4,
+                                             images_per_request=2, image_sizes=((32, 24), (16, 16))))
+    specs = [s for r in distinct.requests for s in r.images]
+    assert len(specs) == 12 and len(set(specs)) == 12
+    assert {(s.width, s.height) for s in specs} <= {(32, 24), (16, 16)}
+    pooled = build_workload(WorkloadConfig(kind="images", num_prompts=20, input_len=8, output_len=4,
+                                           num_unique_images=3))
+    assert len({r.images for r in pooled.requests}) <= 3
+    url = image_data_url(specs[0])
+    image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert image.format == "PNG" and image.size == (specs[0].width, specs[0].height)
+    assert image_data_url(specs[0]) == url  # same spec, same image (a cache hit for the server)
+
+
+def test_images_workload_flags():
+    import argparse
+
+    import pytest
+
+    from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    cfg = workload_config_from_args(parser.parse_args(
+        ["--workload", "images", "--image-sizes", "64x48,32x32", "--images-per-request", "2",
+         "--num-unique-images", "5"]))
+    assert cfg.image_sizes == ((64, 48), (32, 32)) and cfg.images_per_request == 2
+    assert cfg.num_unique_images == 5
+    with pytest.raises(ValueError, match="--image-sizes"):
+        workload_config_from_args(parser.parse_args(["--workload", "images", "--image-sizes", "64"]))
