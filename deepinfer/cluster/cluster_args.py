@@ -15,6 +15,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=int, default=None,
                    help="prefill worker processes (with --decode-workers: disaggregated)")
     g.add_argument("--decode-workers", type=int, default=None, help="decode worker processes")
+    g.add_argument("--encode-workers", type=int, default=None, metavar="E",
+                   help="encode worker processes running the vision tower of a vision-language "
+                        "model (E/P/D; needs --prefill-workers, --decode-workers and a --kv-store; "
+                        "default: prefill workers encode images themselves)")
+    g.add_argument("--encode-router", default="least-patches", choices=["least-patches", "round-robin"],
+                   help="encode routing policy (default: least queued image patches)")
+    g.add_argument("--encode-cache", default="1GiB", metavar="SIZE",
+                   help="each encode worker's LRU cache of image embeddings (default 1GiB)")
     g.add_argument("--kv-store", default="fs",
                    help=f"shared prefix store: {STORE_URL_HELP}, or none")
     g.add_argument("--kv-store-capacity", default=None, metavar="SIZE",
@@ -48,6 +56,12 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 def cluster_client_from_args(args: argparse.Namespace, engine_config):
     """A `DisaggClient` when worker counts are given, else None (colocated serving)."""
+    num_encode = getattr(args, "encode_workers", None)
+    if num_encode is not None and (args.prefill_workers is None or args.decode_workers is None):
+        raise ValueError("--encode-workers needs --prefill-workers and --decode-workers "
+                         "(colocated serving runs the vision tower in the engine)")
+    if num_encode is not None and num_encode < 1:
+        raise ValueError(f"--encode-workers must be at least 1, got {num_encode}")
     if args.prefill_workers is None and args.decode_workers is None:
         if getattr(args, "cluster", "local") != "local":
             raise ValueError(f"--cluster {args.cluster} places disaggregated workers: give "
@@ -78,7 +92,7 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         # serve's --max-engine-restarts also bounds restarts of each lost worker
         max_worker_restarts=getattr(args, "max_engine_restarts", 5),
         cpu_affinity=getattr(args, "cpu_affinity", False),
-        **placement_config(args, launcher))
+        **encode_config(args, launcher), **placement_config(args, launcher))
     launcher.check(cluster)  # e.g. no Ray node for a role: one line, before anything starts
     return DisaggClient(engine_config, cluster, launcher=launcher)
 
@@ -104,3 +118,15 @@ def _store_url_capacity_only(args: argparse.Namespace) -> str | None:
     from deepinfer.kvstore.factory import with_capacity
     from deepinfer.runtime.kv_cache import parse_memory
     return with_capacity(args.kv_store, parse_memory(args.kv_store_capacity))
+
+
+def encode_config(args: argparse.Namespace, launcher) -> dict:
+    """ClusterConfig fields of the encode stage (--encode-workers, --encode-router, --encode-cache)."""
+    num = getattr(args, "encode_workers", None)
+    if not num:
+        return {}
+    if launcher.name != "local":
+        raise ValueError("--encode-workers runs on --cluster local only")
+    from deepinfer.runtime.kv_cache import parse_memory
+    return {"num_encode_workers": num, "encode_router": args.encode_router,
+            "encode_cache_bytes": parse_memory(args.encode_cache)}

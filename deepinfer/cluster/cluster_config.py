@@ -49,6 +49,11 @@ class ClusterConfig:
     cpu_affinity: bool = False  # pin each worker process to its own cores
     kv_store_shared: bool = False  # an fs store path every node mounts (multi-node)
     drain_timeout_s: float = 120.0  # a worker removed by scaling finishes its requests first
+    # E/P/D: encode workers run the vision tower; their embeddings reach prefill workers
+    # through the shared store (0: prefill workers encode images themselves).
+    num_encode_workers: int = 0
+    encode_router: str = "least-patches"
+    encode_cache_bytes: int = 1 << 30  # each encode worker's LRU of embeddings
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -59,6 +64,11 @@ class ClusterConfig:
         if self.decode_router not in DECODE_POLICIES:
             raise ValueError(f"unknown decode router {self.decode_router!r}; "
                              f"choose one of {sorted(DECODE_POLICIES)}")
+        if self.num_encode_workers < 0:
+            raise ValueError("num_encode_workers must be >= 0")
+        if self.num_encode_workers and self.store_url is None:
+            raise ValueError("--encode-workers needs a shared store (--kv-store fs or redis): "
+                             "prefill workers fetch image embeddings from it")
         if self.heartbeat_timeout_s <= self.report_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed report_interval_s")
         for name in ("transfer_timeout_s", "kv_stage_ttl_s", "stall_timeout_s",

@@ -46,6 +46,7 @@ from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
+from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
@@ -82,6 +83,7 @@ class _Track:
     num_retries: int = 0
     last_progress: float = 0.0
     kv_pending: bool = False  # staged on the prefill worker, not yet received by decode
+    mm_inputs: MultiModalInputs | None = None  # image placeholders (pixels: no encode stage)
     failed: bool = False  # the consumer was handed an error
     aborted: bool = False  # aborts were sent to every worker holding state
 
@@ -111,6 +113,14 @@ class DisaggClient:
         self.num_failed_by_worker_loss = 0
         self.num_suspended = 0  # workers taken out of routing as unresponsive (a metric)
         self.supervisor = WorkerSupervisor(cluster.restart_policy)  # restarts lost workers
+        self.encode_stage = None  # E/P/D: encode workers (cluster/encode_stage.py)
+        if cluster.num_encode_workers:
+            from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig
+            self.encode_stage = EncodeStage(engine_config, EncodeStageConfig(
+                num_workers=cluster.num_encode_workers, router=cluster.encode_router,
+                kv_store_url=cluster.store_url, cache_bytes=cluster.encode_cache_bytes,
+                host=cluster.host, ready_timeout_s=cluster.ready_timeout_s,
+                encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level))
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -155,7 +165,10 @@ class DisaggClient:
             self.workers[handle.worker_id] = handle
             handle.proc = self.launcher.process(handle.spec)
             handle.proc.start()
-        await self._wait_ready()
+        if self.encode_stage is not None:  # encode workers load while P/D workers do
+            await asyncio.gather(self._wait_ready(), self.encode_stage.start())
+        else:
+            await self._wait_ready()
         now = time.monotonic()
         for handle in self.workers.values():
             handle.last_seen = handle.last_loop_advance = now
@@ -212,6 +225,8 @@ class DisaggClient:
             handle.input_socket.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
+        if self.encode_stage is not None:
+            await self.encode_stage.shutdown()
         self.launcher.close()
 
     async def scale(self, role: str, count: int, wait: bool = True) -> dict:
@@ -229,11 +244,15 @@ class DisaggClient:
         """Expose per-worker metrics on the server's Prometheus registry."""
         from deepinfer.cluster.cluster_metrics import ClusterCollector
         registry.register(ClusterCollector(self))
+        if self.encode_stage is not None:
+            from deepinfer.cluster.encode_metrics import EncodeCollector
+            registry.register(EncodeCollector(self.encode_stage))
 
     @property
     def is_healthy(self) -> bool:
         roles = {h.role for h in self.workers.values() if h.alive and h.ready is not None}
-        return self.dead_message is None and roles == {"prefill", "decode"}
+        encode_ok = self.encode_stage is None or self.encode_stage.is_healthy
+        return self.dead_message is None and roles == {"prefill", "decode"} and encode_ok
 
     @property
     def num_waiting_requests(self) -> int:
@@ -257,8 +276,11 @@ class DisaggClient:
     # --- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, arrival_time: float | None = None,
+                       mm_inputs: MultiModalInputs | None = None,
                        ) -> AsyncIterator[RequestDelta]:
-        """Yield the request's deltas until it finishes; see `EngineClient.generate`."""
+        """Yield the request's deltas until it finishes; see `EngineClient.generate`.
+        `mm_inputs`: the prompt's images; with encode workers they are encoded there first
+        and the prefill worker gets only the placeholders (it fetches the embeddings)."""
         if not self.is_healthy:
             raise EngineDeadError(self.dead_message or "the cluster has no live prefill or "
                                   "decode worker")
@@ -267,9 +289,12 @@ class DisaggClient:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._check_decode_fit(request_id, len(prompt_token_ids))
-        track = _Track(request_id, list(prompt_token_ids), params,
-                       arrival_time or time.monotonic(), asyncio.Queue(),
-                       last_progress=time.monotonic())
+        arrival_time = arrival_time or time.monotonic()
+        if mm_inputs is not None and self.encode_stage is not None and mm_inputs.pixel_values:
+            await self.encode_stage.encode(request_id, mm_inputs)  # ValueError: a bad image
+            mm_inputs = mm_inputs.without_pixels()
+        track = _Track(request_id, list(prompt_token_ids), params, arrival_time,
+                       asyncio.Queue(), last_progress=time.monotonic(), mm_inputs=mm_inputs)
         self._requests[request_id] = track
         finished = False
         try:
@@ -352,7 +377,9 @@ class DisaggClient:
         block_size = self.engine_config.block_size
         routing = RoutingRequest(
             request_id=track.request_id, num_prompt_tokens=len(track.prompt_token_ids),
-            block_hashes=hash_request_blocks(track.prompt_token_ids, block_size))
+            block_hashes=hash_request_blocks(
+                track.prompt_token_ids, block_size,
+                images=track.mm_inputs.placeholders if track.mm_inputs is not None else ()))
         loads = [ld for ld in self._loads("prefill") if ld.worker_id != exclude]
         try:
             worker_id = self.prefill_router.route(routing, loads, time.monotonic())
@@ -366,7 +393,7 @@ class DisaggClient:
         await self._send(worker_id, PrefillRequest(
             track.request_id, track.prompt_token_ids, track.params, track.arrival_time,
             num_await_blocks=plan.num_await_blocks if plan is not None else 0,
-            await_timeout_s=await_s))
+            await_timeout_s=await_s, mm_inputs=track.mm_inputs))
 
     async def _send_decode(self, track: _Track, done: PrefillDone) -> None:
         expected = track.params.max_tokens or 256

@@ -37,7 +37,8 @@ from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, Encod
                                                encode_input_decoder)
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
 from deepinfer.engine.engine_config import EngineConfig
-from deepinfer.multimodal.embedding_cache import LOCAL_TIER, STORE_TIER, EmbeddingCache
+from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
+from deepinfer.multimodal.embedding_store import open_embedding_tier
 from deepinfer.multimodal.mm_inputs import PixelArray
 from deepinfer.server.zmq_inbox import drain_messages
 
@@ -220,15 +221,6 @@ def load_image_encoder(config: EngineConfig):
         raise ValueError(f"{source.name} has no vision tower: encode workers need a "
                          f"vision-language model (e.g. LLaVA)")
     return model, device, dtype, source
-
-
-def open_embedding_tier(store_url: str | None, source):
-    """The shared-store tier of the embedding cache, or None without a store."""
-    if store_url in (None, "none"):
-        return None
-    from deepinfer.kvstore import open_store
-    from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
-    return StoreEmbeddingTier(open_store(store_url, embedding_store_salt(source.weights_fingerprint())))
 
 
 class EncodeWorkerLoop:

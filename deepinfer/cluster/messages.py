@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.messages import RequestDelta, RequestError
 
@@ -33,6 +34,9 @@ class PrefillRequest(msgspec.Struct, tag=True):
     arrival_time: float
     num_await_blocks: int = 0
     await_timeout_s: float = 0.0
+    # Image placeholders; without pixels when an encode worker put the embeddings in the
+    # shared store (the prefill worker fetches them by image hash).
+    mm_inputs: MultiModalInputs | None = None
 
 
 class DecodeRequest(msgspec.Struct, tag=True):

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from deepinfer.cluster.kv_transport import KVTransport
 from deepinfer.cluster.messages import AbortRequests, PrefillDone, PrefillRequest
+from deepinfer.cluster.prefill_images import (attach_embedding_store, image_spans,
+                                              missing_embeddings)
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier
 from deepinfer.cluster.staging_budget import StagingBudget
 from deepinfer.cluster.worker_loop import WorkerLoop
@@ -74,6 +76,7 @@ class PrefillWorkerLoop(WorkerLoop):
         self.store_rate = RateEstimator(STORE_PRIOR_S_PER_TOKEN, STORE_READ_LATENCY_S,
                                         typical_units=256)
         self._step_start: tuple[float, int] | None = None
+        attach_embedding_store(engine, spec.kv_store_url)  # E/P/D: embeddings by image hash
 
     def handle(self, message) -> None:
         if isinstance(message, AbortRequests):
@@ -110,7 +113,7 @@ class PrefillWorkerLoop(WorkerLoop):
         if self.tier is None:
             return
         bs = self.engine.config.block_size
-        hashes = self.tier.usable_hashes(message.prompt_token_ids)
+        hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
         num_device = self.tier.num_device_blocks(hashes)
         wanted = hashes[num_device:]
         if not wanted:
@@ -171,10 +174,10 @@ class PrefillWorkerLoop(WorkerLoop):
             return 0, 0
         bs = self.engine.config.block_size
         fetched = dict(zip(job.block_hashes, job.payloads))
-        load = self.tier.load_fetched(self.tier.usable_hashes(message.prompt_token_ids),
-                                      fetched)
+        load = self.tier.load_fetched(self.tier.usable_hashes(message.prompt_token_ids,
+                                                              image_spans(message)), fetched)
         tiers = dict(zip(job.block_hashes, job.tiers))
-        hashes = self.tier.usable_hashes(message.prompt_token_ids)
+        hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
         loaded = hashes[load.num_device_blocks:load.num_device_blocks + load.num_store_blocks]
         num_host = sum(1 for h in loaded if tiers.get(h) == HOST_TIER)
         if job.num_await_blocks:
@@ -183,17 +186,23 @@ class PrefillWorkerLoop(WorkerLoop):
         return load.num_store_blocks * bs, num_host * bs
 
     def _admit(self, message: PrefillRequest) -> bool:
+        missing = missing_embeddings(self.engine, message)
+        if missing:
+            self.emit_error(message.request_id, missing)
+            return False
         num_store_tokens = num_host_tokens = 0
         if self.tier is not None:
             num_store_tokens, num_host_tokens = self._load_prefetched(message)
         try:
+            mm = {"mm_inputs": message.mm_inputs} if message.mm_inputs is not None else {}
             self.engine.add_request(message.request_id, message.prompt_token_ids,
-                                    message.sampling_params, arrival_time=message.arrival_time)
+                                    message.sampling_params, arrival_time=message.arrival_time,
+                                    **mm)
         except ValueError as exc:
             self.emit_error(message.request_id, str(exc))
             return False
         self.tracker.add_request(message.request_id, message.sampling_params)
-        hashes = (self.tier.block_hashes(message.prompt_token_ids)
+        hashes = (self.tier.block_hashes(message.prompt_token_ids, image_spans(message))
                   if self.tier is not None else [])
         self._prefilling[message.request_id] = _Prefilling(
             list(message.prompt_token_ids), num_store_tokens, num_host_tokens, hashes)

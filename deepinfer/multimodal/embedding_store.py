@@ -70,3 +70,11 @@ class StoreEmbeddingTier:
 
     def close(self) -> None:
         self.store.close()
+
+
+def open_embedding_tier(store_url: str | None, source) -> StoreEmbeddingTier | None:
+    """The shared-store tier for `source`'s embeddings at `store_url` (None without a store)."""
+    if store_url in (None, "none"):
+        return None
+    from deepinfer.kvstore import open_store
+    return StoreEmbeddingTier(open_store(store_url, embedding_store_salt(source.weights_fingerprint())))

@@ -1,0 +1,308 @@
+"""`EncodeStage`: the front's side of the encode workers (the E of E/P/D).
+
+    DisaggClient.generate ─▶ EncodeStage.encode(request, mm_inputs)
+                               │ encode router (least queued patches, reservations)
+                               ▼
+                     EncodeImages ─▶ encode worker ─EncodeDone (in its report)─▶ future
+
+The stage owns its workers' processes and sockets (a channel apart from prefill/decode, so
+its messages never wait behind KV handoffs). `encode` returns once every image's embeddings
+are in the worker's cache and the shared store, so the prefill worker the request goes to
+next can fetch them by image hash. A worker whose process exits is removed from routing and
+its requests are sent once more to another encode worker; a request whose encoding fails
+raises ValueError (the client gets a 400, nothing else is affected).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+                                               EncodeWorkerReady, EncodeWorkerReport,
+                                               encode_worker_message_decoder)
+from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
+                                              BucketCounts)
+from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
+from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.routing import NoWorkerAvailable, WorkerLoad
+from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
+from deepinfer.server.engine_client import EngineDeadError
+
+logger = logging.getLogger(__name__)
+SEND_TIMEOUT_MS = 2000
+HEALTH_CHECK_PERIOD_S = 0.1
+
+
+@dataclass(frozen=True)
+class EncodeStageConfig:
+    num_workers: int
+    router: str = "least-patches"
+    kv_store_url: str | None = None
+    cache_bytes: int = 1 << 30
+    max_batch_images: int = 8
+    host: str = "127.0.0.1"
+    ready_timeout_s: float = 600.0
+    encode_timeout_s: float = 120.0
+    report_interval_s: float = 0.2
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("--encode-workers must be at least 1")
+        if self.kv_store_url in (None, "none"):
+            raise ValueError("--encode-workers needs a shared store (--kv-store fs or redis): "
+                             "prefill workers fetch image embeddings from it")
+
+
+@dataclass
+class _EncodeWorker:
+    spec: EncodeWorkerSpec
+    socket: zmq.asyncio.Socket
+    proc: multiprocessing.process.BaseProcess | None = None
+    ready: bool = False
+    alive: bool = True
+    counters: EncodeCounters = field(default_factory=EncodeCounters)
+    num_queued_images: int = 0
+    num_queued_patches: int = 0
+    request_ids: set[str] = field(default_factory=set)
+    last_report_at: float = 0.0  # front's clock; 0 before the first report
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+
+@dataclass
+class _Pending:
+    message: EncodeImages
+    future: asyncio.Future
+    worker_id: str
+    num_tries: int = 1
+
+
+class EncodeStage:
+    def __init__(self, engine_config, config: EncodeStageConfig) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.router = build_encode_router(config.router)
+        self.workers: dict[str, _EncodeWorker] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._encoder = make_encoder()
+        self._decoder = encode_worker_message_decoder()
+        self._tasks: list[asyncio.Task] = []
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        port = self._output.bind_to_random_port(f"tcp://{config.host}")
+        self._output_addr = f"tcp://{config.host}:{port}"
+        # Front-side observations (metrics): per-image encode time, images per request.
+        self.encode_time = BucketCounts(ENCODE_TIME_BUCKETS)
+        self.images_per_request = BucketCounts(IMAGES_PER_REQUEST_BUCKETS)
+        self.num_requests = 0
+        self.num_lost = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        for i in range(c.num_workers):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            port = sock.bind_to_random_port(f"tcp://{c.host}")
+            spec = EncodeWorkerSpec(
+                worker_id=f"encode-{i}", engine_config=self.engine_config,
+                input_addr=f"tcp://{c.host}:{port}", output_addr=self._output_addr,
+                parent_pid=os.getpid(), kv_store_url=c.kv_store_url, cache_bytes=c.cache_bytes,
+                max_batch_images=c.max_batch_images, report_interval_s=c.report_interval_s,
+                log_level=c.log_level)
+            worker = _EncodeWorker(spec, sock)
+            ctx = multiprocessing.get_context("spawn")
+            worker.proc = ctx.Process(target=run_encode_worker_proc, args=(spec,),
+                                      name=f"deepinfer-{spec.worker_id}", daemon=True)
+            worker.proc.start()
+            self.workers[spec.worker_id] = worker
+        await self._wait_ready()
+        self._tasks = [asyncio.create_task(self._output_loop(), name="encode-output-loop"),
+                       asyncio.create_task(self._health_loop(), name="encode-health-loop")]
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        pending = set(self.workers)
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"encode workers not ready after "
+                                      f"{self.config.ready_timeout_s:.0f} s: {sorted(pending)}")
+            if not await self._output.poll(500):
+                for wid in pending:
+                    proc = self.workers[wid].proc
+                    if not proc.is_alive():
+                        raise EngineDeadError(f"{wid} exited with code {proc.exitcode}")
+                continue
+            message = self._decoder.decode(await self._output.recv())
+            if isinstance(message, WorkerFailed):
+                raise EngineDeadError(f"{message.worker_id} failed to start:\n{message.message}")
+            if isinstance(message, EncodeWorkerReady):
+                self.workers[message.worker_id].ready = True
+                pending.discard(message.worker_id)
+            elif isinstance(message, EncodeWorkerReport):
+                self._on_report(message)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.workers.values():
+            if worker.proc is not None and worker.proc.is_alive():
+                try:
+                    await worker.socket.send(self._encoder.encode(ShutdownWorker()))
+                except zmq.ZMQError:
+                    pass
+        for worker in self.workers.values():
+            if worker.proc is not None:
+                await asyncio.to_thread(worker.proc.join, 10)
+                if worker.proc.is_alive():
+                    worker.proc.kill()
+            worker.socket.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def is_healthy(self) -> bool:
+        return any(w.alive and w.ready for w in self.workers.values())
+
+    # --- requests ----------------------------------------------------------------------------
+    async def encode(self, request_id: str, mm_inputs: MultiModalInputs) -> EncodeDone:
+        """Have an encode worker put every image of `mm_inputs` in the shared store. Raises
+        ValueError if encoding failed, EngineDeadError if no encode worker is left."""
+        if not mm_inputs.pixel_values:
+            raise ValueError("images without pixel values cannot be encoded")
+        # The vision tower's work is its output rows: each placeholder's length.
+        message = EncodeImages(request_id, mm_inputs.image_hashes, list(mm_inputs.pixel_values),
+                               num_patches=sum(p.length for p in mm_inputs.placeholders))
+        self.images_per_request.observe(len(mm_inputs.placeholders))
+        future = asyncio.get_running_loop().create_future()
+        pending = _Pending(message, future, worker_id="")
+        self._pending[request_id] = pending
+        self.num_requests += 1
+        try:
+            await self._route(pending, exclude=None)
+            done = await asyncio.wait_for(future, self.config.encode_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"image encoding took longer than "
+                                  f"{self.config.encode_timeout_s:.0f} s") from None
+        finally:
+            if self._pending.pop(request_id, None) is not None and not future.done():
+                await self._abort(pending)  # client gone or timed out: drop queued work
+            worker = self.workers.get(pending.worker_id)
+            if worker is not None:
+                worker.request_ids.discard(request_id)
+        if done.error is not None:
+            raise ValueError(done.error)
+        num_encoded = done.num_images - done.num_local_hits - done.num_store_hits
+        if num_encoded > 0:
+            self.encode_time.observe(done.encode_s / num_encoded)
+        return done
+
+    async def _route(self, pending: _Pending, exclude: str | None) -> None:
+        m = pending.message
+        loads = [self._load(w) for w in self.workers.values()
+                 if w.alive and w.ready and w.worker_id != exclude]
+        try:
+            worker_id = self.router.route(
+                EncodeRequest(m.request_id, len(m.image_hashes), max(m.num_patches, len(m.image_hashes))),
+                loads, time.monotonic())
+        except NoWorkerAvailable as exc:
+            raise EngineDeadError(f"no encode worker available: {exc}") from None
+        pending.worker_id = worker_id
+        self.workers[worker_id].request_ids.add(m.request_id)
+        try:
+            await self.workers[worker_id].socket.send(self._encoder.encode(m), copy=False)
+        except zmq.Again:
+            raise EngineDeadError(f"{worker_id} accepted nothing for {SEND_TIMEOUT_MS} ms") from None
+
+    async def _abort(self, pending: _Pending) -> None:
+        worker = self.workers.get(pending.worker_id)
+        self.router.on_request_aborted(pending.message.request_id, pending.worker_id)
+        if worker is not None and worker.alive:
+            try:
+                await worker.socket.send(self._encoder.encode(AbortRequests([pending.message.request_id])))
+            except zmq.ZMQError:
+                pass
+
+    def _load(self, worker: _EncodeWorker, now: float | None = None) -> WorkerLoad:
+        return WorkerLoad(worker.worker_id, "encode", worker.last_report_at if now is None else now,
+                          num_waiting_reqs=worker.num_queued_images,
+                          num_queued_uncached_tokens=worker.num_queued_patches,
+                          healthy=worker.alive)
+
+    # --- worker messages ---------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            try:
+                message = self._decoder.decode(await self._output.recv())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a corrupt frame must not kill the front
+                logger.exception("bad message from an encode worker: %s", exc)
+                continue
+            if isinstance(message, EncodeWorkerReport):
+                self._on_report(message)
+            elif isinstance(message, WorkerFailed):
+                await self._on_worker_lost(message.worker_id, message.message.strip().splitlines()[-1])
+
+    def _on_report(self, report: EncodeWorkerReport) -> None:
+        worker = self.workers.get(report.worker_id)
+        if worker is None or not worker.alive:
+            return
+        worker.counters = report.counters
+        worker.num_queued_images = report.num_queued_images
+        worker.num_queued_patches = report.num_queued_patches
+        worker.last_report_at = time.monotonic()
+        self.router.on_load_report(self._load(worker, worker.last_report_at))
+        for done in report.done:
+            pending = self._pending.get(done.request_id)
+            if pending is not None and pending.worker_id == report.worker_id \
+                    and not pending.future.done():
+                pending.future.set_result(done)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_PERIOD_S)
+            for worker in list(self.workers.values()):
+                if worker.alive and worker.proc is not None and not worker.proc.is_alive():
+                    await self._on_worker_lost(worker.worker_id,
+                                               f"process exited ({worker.proc.exitcode})")
+
+    async def _on_worker_lost(self, worker_id: str, reason: str) -> None:
+        """Out of routing for good; its requests go once more to another encode worker."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return
+        logger.error("%s removed from routing: %s", worker_id, reason)
+        worker.alive = False
+        self.num_lost += 1
+        self.router.remove_worker(worker_id)
+        if worker.proc is not None and worker.proc.is_alive():
+            worker.proc.kill()
+        for request_id in sorted(worker.request_ids):
+            pending = self._pending.get(request_id)
+            if pending is None or pending.future.done():
+                continue
+            if pending.num_tries < 2:
+                pending.num_tries += 1
+                try:
+                    await self._route(pending, exclude=worker_id)
+                    continue
+                except EngineDeadError as exc:
+                    reason = f"{reason}; retry impossible: {exc}"
+            pending.future.set_exception(EngineDeadError(f"encode worker {worker_id} was lost ({reason})"))
+        worker.request_ids.clear()
+
