@@ -11,6 +11,8 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+# (prompt token ids, prompt text or None, images or None)
+Encoded = tuple[list[int], str | None, Any]
 
 
 class LLM:
@@ -30,6 +32,7 @@ class LLM:
             shared = dict(source=other.source, model=other.model, tokenizer=other.tokenizer)
         self.engine = LLMEngine(config, **shared)
         self._counter = itertools.count()
+        self._mm_processor = None
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -57,22 +60,44 @@ class LLM:
         tok = self.engine.tokenizer
         encoded = []
         for conv in conversations:
+            if self.engine.mm_images is not None:  # image_url / image parts, HF processor
+                from deepinfer.multimodal.processor import load_message_images
+                token_ids, mm_inputs = self._processor().process_chat(
+                    load_message_images(conv), add_generation_prompt)
+                encoded.append((token_ids, None, mm_inputs))
+                continue
             text = tok.apply_chat_template(conv, tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
                                            **(chat_template_kwargs or {}))
-            encoded.append((tok(text, add_special_tokens=False).input_ids, text))
+            encoded.append((tok(text, add_special_tokens=False).input_ids, text, None))
         return self._run(encoded, sampling_params, use_tqdm)
 
-    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
+    def _processor(self):
+        """The checkpoint's multi-modal processor (loaded on first use)."""
+        if getattr(self, "_mm_processor", None) is None:
+            from deepinfer.multimodal.processor import MultiModalProcessor
+            self._mm_processor = MultiModalProcessor.from_pretrained(self.engine.source.path)
+        return self._mm_processor
+
+    def _encode(self, prompt: PromptType) -> Encoded:
         if isinstance(prompt, str):
-            return self.engine.tokenizer(prompt).input_ids, prompt
+            return self.engine.tokenizer(prompt).input_ids, prompt, None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            images = prompt["multi_modal_data"].get("image")
+            if "prompt" not in prompt or images is None:
+                raise ValueError("multi_modal_data needs {'prompt': str, 'multi_modal_data': {'image': ...}}")
+            if self.engine.mm_images is None:
+                raise ValueError(f"model {self.engine.model_name} does not accept images")
+            images = list(images) if isinstance(images, (list, tuple)) else [images]
+            token_ids, mm_inputs = self._processor().process_prompt(prompt["prompt"], images)
+            return token_ids, prompt["prompt"], mm_inputs
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"]), None
+            return list(prompt["prompt_token_ids"]), None, None
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.engine.tokenizer(prompt["prompt"]).input_ids, prompt["prompt"]
+            return self.engine.tokenizer(prompt["prompt"]).input_ids, prompt["prompt"], None
         raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
-    def _run(self, encoded: list[tuple[list[int], str | None]], sampling_params,
+    def _run(self, encoded: list[Encoded], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -82,9 +107,10 @@ class LLM:
             raise ValueError("need one SamplingParams per prompt (or a single one)")
         ids = []
         try:
-            for (token_ids, text), params in zip(encoded, sampling_params):
+            for (token_ids, text, mm_inputs), params in zip(encoded, sampling_params):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, token_ids, params, prompt=text)
+                self.engine.add_request(request_id, token_ids, params, prompt=text,
+                                        mm_inputs=mm_inputs)
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(ids)

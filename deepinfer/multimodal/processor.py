@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from deepinfer.multimodal.image_input import image_content_hash
+from deepinfer.multimodal.image_input import (ImageInputError, MediaPolicy, check_image_count,
+                                              image_content_hash, load_image)
 from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -71,6 +72,39 @@ class MultiModalProcessor:
                         for image, (start, length) in zip(images, spans)]
         pixels = [PixelArray.from_numpy(p) for p in pixel_values]
         return token_ids, MultiModalInputs(placeholders, pixels)
+
+
+def load_message_images(messages: list[dict[str, Any]],
+                        policy: MediaPolicy | None = None) -> list[dict[str, Any]]:
+    """OpenAI messages with every `image_url` part loaded: {"type": "image", "image": PIL}.
+    Raises ImageInputError (a ValueError) for a refused or bad image or too many images."""
+    policy = policy or MediaPolicy()
+    out, num_images = [], 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                ref = part.get("image_url")
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                num_images += 1
+                check_image_count(num_images, policy)
+                parts.append({"type": "image", "image": load_image(url, policy)})
+            elif kind in ("image", "image_pil"):
+                image = part.get("image", part.get("image_pil"))
+                if image is None or not hasattr(image, "size"):
+                    raise ImageInputError("an image part must carry a PIL image")
+                num_images += 1
+                check_image_count(num_images, policy)
+                parts.append({"type": "image", "image": image})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out
 
 
 def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -42,14 +42,18 @@ def tiny_hf_config(kind: str):
     raise ValueError(kind)
 
 
-def seeded_random_model(config, seed: int, std_of):
+def seeded_random_model(config, seed: int, std_of, model_class=None):
     """A fp32 transformers model from `config` whose parameters are all redrawn from one
     seeded generator: norm weights 1 + 0.2·N(0, 1), every other parameter `std_of(name)`·N(0, 1).
-    Returns (model, generator) so a caller can keep drawing (e.g. buffers) from the same stream."""
+    Returns (model, generator) so a caller can keep drawing (e.g. buffers) from the same stream.
+    `model_class`: the transformers class to build (default AutoModelForCausalLM)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if model_class is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        model = model_class._from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

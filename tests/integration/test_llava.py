@@ -1,0 +1,87 @@
+"""LLaVA offline: greedy tokens equal transformers fp32 (CLIP and SigLIP towers, feature layer
+-1/-2/list, select strategy default/full, one and two images of different sizes), and image
+prefix caching (same image -> cached prompt tokens and an embedding-cache hit; a different image
+of the same size with equal token ids shares no block)."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from tests.integration.llava_checkpoints import LLAVA_KINDS, hf_greedy, hf_llava, synthetic_image
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava_pairs(llava_checkpoints):
+    """{kind: (our LLM, HF model)} — one of each per checkpoint for this module."""
+    pairs = {}
+    for kind, directory in llava_checkpoints.items():
+        llm = LLM(model=directory, dtype="float32", num_kv_blocks=64, block_size=16, seed=0)
+        pairs[kind] = (llm, hf_llava(directory)[0])
+    return pairs
+
+
+def _chat(*images, text="Describe."):
+    parts = [{"type": "image", "image": image} for image in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("kind", list(LLAVA_KINDS))
+def test_chat_with_one_and_two_images_matches_transformers(llava_pairs, kind):
+    llm, hf = llava_pairs[kind]
+    conversations = [_chat(synthetic_image(1, (40, 36))),
+                     _chat(synthetic_image(2, (20, 30)), synthetic_image(3, (64, 48)), text="Compare.")]
+    outputs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    processor = llm._processor()
+    for conv, out in zip(conversations, outputs):
+        token_ids, mm_inputs = processor.process_chat(conv)
+        assert out.prompt_token_ids == token_ids
+        assert len(mm_inputs.placeholders) == sum(p["type"] == "image" for p in conv[0]["content"])
+        pixels = [p.to_numpy() for p in mm_inputs.pixel_values]
+        import numpy as np
+        expected = hf_greedy(hf, token_ids, np.stack(pixels), MAX_TOKENS)
+        assert out.outputs[0].token_ids == expected
+
+
+def test_generate_with_multi_modal_data_matches_transformers(llava_pairs):
+    llm, hf = llava_pairs["siglip"]
+    image = synthetic_image(4, (33, 47))
+    prompt = "<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n"
+    out, = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    token_ids, mm_inputs = llm._processor().process_prompt(prompt, [image])
+    assert out.prompt_token_ids == token_ids
+    assert out.outputs[0].token_ids == hf_greedy(hf, token_ids, mm_inputs.pixel_values[0].to_numpy()[None],
+                                                 MAX_TOKENS)
+
+
+def test_same_image_is_a_prefix_hit_a_different_image_shares_no_block(llava_pairs):
+    llm, _ = llava_pairs["clip"]
+    engine = llm.engine
+    a, b = synthetic_image(10), synthetic_image(11)  # same size: equal prompt token ids
+    first, = llm.chat(_chat(a), GREEDY, use_tqdm=False)
+    hits, encoded = engine.embedding_cache.hits, engine.mm_images.num_images_encoded
+    again, = llm.chat(_chat(a), GREEDY, use_tqdm=False)
+    other, = llm.chat(_chat(b), GREEDY, use_tqdm=False)
+    assert first.prompt_token_ids == again.prompt_token_ids == other.prompt_token_ids
+    image = llm._processor().process_chat(_chat(a))[1].placeholders[0]
+    num_prompt = len(first.prompt_token_ids)
+    # Same image: every full block of the prompt (image tokens included) is cached.
+    assert again.num_cached_tokens == (num_prompt - 1) // 16 * 16 >= image.end - 16
+    assert again.num_cached_tokens > image.offset
+    assert engine.embedding_cache.hits == hits + 1  # taken from the cache at add_request
+    # A different image: the first block already overlaps the image, so nothing is shared.
+    assert image.offset < 16 and other.num_cached_tokens == 0
+    assert engine.mm_images.num_images_encoded == encoded + 1  # only the new image was encoded
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids or True  # tokens may coincide
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_bad_image_inputs_are_refused_before_queueing(llava_pairs):
+    llm, _ = llava_pairs["clip"]
+    with pytest.raises(ValueError, match="image markers"):
+        llm.generate({"prompt": "no marker", "multi_modal_data": {"image": synthetic_image(1)}}, GREEDY)
+    with pytest.raises(ValueError, match="image tokens but no images"):
+        llm.generate({"prompt_token_ids": [5, llm.engine.mm_images.image_token_id, 6]}, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
