@@ -79,3 +79,19 @@ def small_server():
     finally:
         code = server.stop()
     assert code == 0, f"server did not stop cleanly ({code})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Vision-language (tests/integration/test_llava*.py): tiny random LLaVA checkpoints (CLIP and
+# SigLIP towers, see tests/integration/llava_checkpoints.py), written once per session.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def llava_checkpoints(tmp_path_factory, default_model_source):
+    """{kind: checkpoint directory} for every LLAVA_KINDS entry."""
+    import copy
+
+    from tests.integration.llava_checkpoints import llava_dirs
+    tokenizer = default_model_source.load_tokenizer()
+    return llava_dirs(str(tmp_path_factory.mktemp("llava")), lambda: copy.deepcopy(tokenizer))

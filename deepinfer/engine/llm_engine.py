@@ -60,6 +60,14 @@ class LLMEngine:
                     kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
                     num_blocks, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        # Vision-language models: requests' images, the embedding cache and the runner's splice.
+        self.mm_images = None
+        self.embedding_cache = None
+        if hasattr(self.model, "encode_images"):
+            from deepinfer.multimodal.engine_images import EngineImages
+            self.mm_images = EngineImages(self.model, self.device)
+            self.embedding_cache = self.mm_images.cache
+            self.runner.mm_embeds = self.mm_images
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         spec_config = config.speculative_config
         self.scheduler = Scheduler(
@@ -98,11 +106,14 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prompt: str | None = None) -> None:
-        """Queue a request. Raises ValueError (nothing queued) for bad input."""
+                    arrival_time: float | None = None, prompt: str | None = None,
+                    mm_inputs=None) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for bad input. `mm_inputs`: the
+        prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        images = self._check_images(prompt_token_ids, mm_inputs)
         self._validate_stop_token_ids(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -116,6 +127,8 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(Request(child_id, list(prompt_token_ids), child_params, arrival,
                                     self.eos_token_ids))
+            if mm_inputs is not None:
+                children[-1].mm_placeholders = list(mm_inputs.placeholders)
             detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params)
             output = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -131,6 +144,17 @@ class LLMEngine:
         self._states[request_id] = state
         for child in children:
             self._child_parent[child.request_id] = request_id
+        if images is not None:
+            self.mm_images.add([child.request_id for child in children], images, mm_inputs)
+
+    def _check_images(self, prompt_token_ids: list[int], mm_inputs):
+        if mm_inputs is None or not mm_inputs.placeholders:
+            if self.mm_images is not None and self.mm_images.image_token_id in prompt_token_ids:
+                raise ValueError("the prompt has image tokens but no images")
+            return None
+        if self.mm_images is None:
+            raise ValueError(f"model {self.model_name} does not accept images")
+        return self.mm_images.check(prompt_token_ids, mm_inputs)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         ids = list(prompt_token_ids)
@@ -199,6 +223,8 @@ class LLMEngine:
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 state.num_cached_tokens = self.scheduler.requests[s.request_id].num_cached_tokens or 0
+        if self.mm_images is not None:  # encode the images this step's chunks cover
+            self.mm_images.prepare(sched_out.scheduled, self.scheduler.requests)
         result = self.runner.execute(sched_out)
         update = self.scheduler.update(sched_out, result)
         self._num_steps += 1
