@@ -92,8 +92,10 @@ class DeepseekV3Model(nn.Module):
             DeepseekV3DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: MLAAttentionBackend) -> Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: MLAAttentionBackend,
+                input_embeds: Tensor | None = None) -> Tensor:
+        # The shared causal-LM wrapper passes input_embeds (None for text-only models).
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions)  # [T, 1, rope/2]
         for layer in self.layers:
             hidden = layer(cos, sin, hidden, attn)
