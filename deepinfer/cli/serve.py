@@ -34,6 +34,8 @@ def register(sub) -> None:
     add_cluster_args(p)
     from deepinfer.cli.engine_args import add_parallel_args
     add_parallel_args(p)
+    from deepinfer.multimodal.media_args import add_media_args
+    add_media_args(p)
     p.set_defaults(func=_run)
 
 
@@ -72,6 +74,27 @@ def _demo(api_key: str | None, question: str, host: str, port: int) -> None:
           "still serving, Ctrl-C to stop)", flush=True)
 
 
+def _decode_ep_config(args, ep_config, engine_config):
+    """Disaggregated serving: the EP config of each decode worker's group (None: plain decode
+    workers). The colocated group flags do not apply there."""
+    from deepinfer.cli.main import CLIError
+    if args.data_parallel_size > 1 or args.ep_groups > 1:
+        raise CLIError("with --prefill-workers/--decode-workers, size decode groups with "
+                       "--decode-data-parallel-size and their number with --decode-workers "
+                       "(--data-parallel-size and --ep-groups are for colocated serving)")
+    if ep_config is None or not ep_config.enable_expert_parallel:
+        return None
+    import dataclasses
+    try:
+        decode_ep = dataclasses.replace(ep_config,
+                                        data_parallel_size=args.decode_data_parallel_size)
+        from deepinfer.runtime.model_source import resolve_model
+        decode_ep.check_model(resolve_model(engine_config.model).config)
+    except (OSError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    return decode_ep
+
+
 def _run(args) -> int:
     from deepinfer.cli.main import CLIError
     from deepinfer.server.api_server import ServerConfig, run_server
@@ -85,14 +108,22 @@ def _run(args) -> int:
         raise CLIError("--max-engine-restarts must be >= 0")
     from deepinfer.cli.engine_args import ep_config_from_args
     ep_config = ep_config_from_args(args, engine_config)  # None: one engine process
-    if ep_config is not None and (args.prefill_workers or args.decode_workers):
-        raise CLIError("--data-parallel-size / --enable-expert-parallel with disaggregated "
-                       "workers is not supported yet")
+    decode_ep = None  # disaggregated: the decode workers' expert-parallel groups
+    if args.prefill_workers or args.decode_workers:
+        decode_ep, ep_config = _decode_ep_config(args, ep_config, engine_config), None
     _check_port_free(args.host, args.port)
+    from deepinfer.multimodal.media_args import media_policy_from_args
+    from deepinfer.multimodal.processor import vision_language_checkpoint
+    try:
+        media_policy = media_policy_from_args(args)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
                           log_level=args.uvicorn_log_level,
-                          engine_restart=EngineRestartPolicy(args.max_engine_restarts))
+                          engine_restart=EngineRestartPolicy(args.max_engine_restarts),
+                          mm_model_path=vision_language_checkpoint(engine_config.model),
+                          media_policy=media_policy)
     if args.demo:
         def on_ready(host: str, port: int) -> None:
             try:
@@ -104,13 +135,15 @@ def _run(args) -> int:
     try:
         from deepinfer.cluster.cluster_args import cluster_client_from_args
         try:
-            client = cluster_client_from_args(args, engine_config)
+            if ep_config is not None:  # rank groups behind a routing front: local, or on Ray
+                from deepinfer.cluster.ray_ep_group import dp_client_from_args
+                client = dp_client_from_args(args, engine_config, ep_config,
+                                             log_level=args.log_level,
+                                             restart_policy=config.engine_restart)
+            else:
+                client = cluster_client_from_args(args, engine_config, decode_ep=decode_ep)
         except ValueError as e:  # bad cluster flags: the CLI's one-line exit 2
             raise CLIError(str(e)) from None
-        if ep_config is not None:  # rank processes behind a routing front (deepinfer.ep)
-            from deepinfer.ep.dp_client import DataParallelClient
-            client = DataParallelClient(engine_config, ep_config, log_level=args.log_level,
-                                        restart_policy=config.engine_restart)
         asyncio.run(run_server(engine_config, config, on_ready=on_ready, client=client))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer.engine.engine_config import EngineConfig
 
@@ -32,6 +33,7 @@ class WorkerSpec:
     debug_transfer_delay_s: float = 0.0
     max_staged_bytes: int = 2 * 1024**3
     cpu_ids: tuple[int, ...] | None = None  # --cpu-affinity: the cores this worker may use
+    ep_rank: Any = None  # deepinfer.ep.decode_rank.EPRankSpec: a rank of an EP decode group
 
     def __post_init__(self) -> None:
         if self.role not in CLUSTER_ROLES:

@@ -1,0 +1,142 @@
+"""`EPDisaggClient`: a disaggregated cluster whose decode workers are expert-parallel groups
+(`serve --prefill-workers P --decode-workers G --decode-data-parallel-size N
+--enable-expert-parallel`).
+
+    prefill workers ──KV──▶ decode-0 decode-1 ... decode-(N-1)   group 0 (lockstep, shared experts)
+                            decode-N ...       decode-(2N-1)     group 1
+    decode router: sees every rank as a decode worker (running requests + KV tokens per rank)
+
+Everything else is `DisaggClient`'s. What differs is faults: a rank cannot step without its
+peers, so a rank lost or unresponsive takes its whole group out of routing at once (the peers
+are killed, not left waiting on collective timeouts; their requests are released like a lost
+worker's), and a group is restarted as a whole, all ranks together on a fresh rendezvous port.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from deepinfer.cluster.cluster_config import ClusterConfig
+from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.cluster.worker_handle import WorkerHandle
+from deepinfer.cluster.worker_supervisor import WorkerState
+from deepinfer.ep.decode_rank import EPRankSpec
+from deepinfer.ep.ep_config import EPConfig
+from deepinfer.ep.process_group import free_port
+
+logger = logging.getLogger(__name__)
+ROOT_CAUSE_GRACE_S = 0.5  # how long a failed rank's peers are watched for the one that died
+
+
+class EPDisaggClient(DisaggClient):
+    def __init__(self, engine_config, cluster: ClusterConfig, decode_ep: EPConfig,
+                 launcher=None) -> None:
+        if not decode_ep.enable_expert_parallel:
+            raise ValueError("EPDisaggClient needs an expert-parallel decode config")
+        self.decode_ep = decode_ep
+        self.num_decode_groups = cluster.num_decode_workers
+        ranks = cluster.num_decode_workers * decode_ep.data_parallel_size
+        super().__init__(engine_config, dataclasses.replace(cluster, num_decode_workers=ranks),
+                         launcher=launcher)
+        self._group_ports: dict[int, int] = {}
+
+    async def start(self) -> None:
+        self._group_ports = {g: free_port() for g in range(self.num_decode_groups)}
+        await super().start()
+
+    def _make_handle(self, role: str, index: int) -> WorkerHandle:
+        handle = super()._make_handle(role, index)
+        if role == "decode":
+            group, rank = divmod(index, self.decode_ep.data_parallel_size)
+            handle.spec = dataclasses.replace(handle.spec, ep_rank=EPRankSpec(
+                self.decode_ep, group, rank, self._group_ports[group]))
+        return handle
+
+    def group_members(self, handle: WorkerHandle) -> list[WorkerHandle]:
+        """Every rank of `handle`'s EP group (itself included), by rank; [] for a prefill
+        worker."""
+        ep = handle.spec.ep_rank
+        if ep is None:
+            return []
+        return sorted((h for h in self.workers.values() if h.spec.ep_rank is not None
+                       and h.spec.ep_rank.group_index == ep.group_index),
+                      key=lambda h: h.spec.ep_rank.rank)
+
+    async def scale(self, role: str, count: int, wait: bool = True) -> dict:
+        if role == "decode":
+            raise ValueError("scaling decode workers that are expert-parallel groups is not "
+                             "supported")
+        return await super().scale(role, count, wait)
+
+    # --- faults: a group lives and dies as one -------------------------------------------------
+    async def _on_worker_dead(self, worker_id: str, reason: str) -> None:
+        handle = self.workers[worker_id]
+        root = await self._root_cause(handle)
+        if root is not None:  # e.g. a peer's collective failed because this rank was killed
+            handle, worker_id = root, root.worker_id
+            reason = f"process exited ({root.proc.exitcode})"
+        await super()._on_worker_dead(worker_id, reason)
+        for peer in self.group_members(handle):
+            if peer.alive or peer.suspended_since is not None:
+                await super()._on_worker_dead(peer.worker_id, self._group_reason(handle, reason))
+
+    async def _root_cause(self, handle: WorkerHandle) -> WorkerHandle | None:
+        """A peer of `handle` whose process exited, if one does within a short grace: a rank
+        killed mid-collective makes its peers fail at once, often before its exit is seen,
+        and the report should name the rank that died, not the ones it took down."""
+        if handle.spec.ep_rank is None or (handle.proc is not None and
+                                           not handle.proc.is_alive()):
+            return None
+        deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+        while True:
+            for peer in self.group_members(handle):
+                if peer is not handle and peer.alive and peer.proc is not None \
+                        and not peer.proc.is_alive():
+                    return peer
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.02)
+
+    async def _suspend_worker(self, worker_id: str, reason: str) -> None:
+        """An unresponsive rank stalls its peers' collectives: the group is lost, not paused."""
+        if self.workers[worker_id].spec.ep_rank is None:
+            await super()._suspend_worker(worker_id, reason)
+        else:
+            await self._on_worker_dead(worker_id, f"unresponsive ({reason})")
+
+    def _on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:
+        super()._on_worker_lost(handle, reason)
+        for peer in self.group_members(handle):
+            if peer is handle:
+                continue
+            state = self.supervisor.state(peer.worker_id)
+            if state is WorkerState.STARTING:  # a group restart that cannot form any more
+                if peer.proc is not None and peer.proc.is_alive():
+                    peer.proc.kill()
+                super()._on_worker_lost(peer, self._group_reason(handle, reason))
+            elif peer.alive or peer.suspended_since is not None:
+                self._tasks.append(asyncio.get_running_loop().create_task(
+                    self._on_worker_dead(peer.worker_id, self._group_reason(handle, reason))))
+
+    def _restart_worker(self, worker_id: str) -> None:
+        """Restart the whole group at once, on a fresh rendezvous port, when all its ranks
+        wait for a restart (the first one due starts them all)."""
+        handle = self.workers[worker_id]
+        if handle.spec.ep_rank is None:
+            super()._restart_worker(worker_id)
+            return
+        members = self.group_members(handle)
+        if any(self.supervisor.state(m.worker_id) is not WorkerState.BACKOFF for m in members):
+            return  # started with its group already, or a peer gave up / is still going down
+        port = free_port()
+        for member in members:
+            member.spec = dataclasses.replace(member.spec, ep_rank=dataclasses.replace(
+                member.spec.ep_rank, port=port))
+            super()._restart_worker(member.worker_id)
+
+    @staticmethod
+    def _group_reason(handle: WorkerHandle, reason: str) -> str:
+        return (f"expert-parallel decode group {handle.spec.ep_rank.group_index} lost: "
+                f"{handle.worker_id} {reason}")
