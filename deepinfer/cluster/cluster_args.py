@@ -15,6 +15,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=int, default=None,
                    help="prefill worker processes (with --decode-workers: disaggregated)")
     g.add_argument("--decode-workers", type=int, default=None, help="decode worker processes")
+    g.add_argument("--decode-data-parallel-size", type=int, default=1, metavar="N",
+                   help="rank processes per decode worker, each with its own KV cache and seen "
+                        "by the decode router; with --enable-expert-parallel a decode worker is "
+                        "an expert-parallel group of N ranks stepping in lockstep")
     g.add_argument("--encode-workers", type=int, default=None, metavar="E",
                    help="encode worker processes running the vision tower of a vision-language "
                         "model (E/P/D; needs --prefill-workers, --decode-workers and a --kv-store; "
@@ -54,8 +58,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     add_placement_args(parser)  # --cluster local|ray|ray://..., per-role Ray resources
 
 
-def cluster_client_from_args(args: argparse.Namespace, engine_config):
-    """A `DisaggClient` when worker counts are given, else None (colocated serving)."""
+def cluster_client_from_args(args: argparse.Namespace, engine_config, decode_ep=None):
+    """A `DisaggClient` when worker counts are given, else None (colocated serving).
+    `decode_ep`: an expert-parallel `EPConfig` for the decode workers (each one a group of
+    `decode_ep.data_parallel_size` ranks)."""
     num_encode = getattr(args, "encode_workers", None)
     if num_encode is not None and (args.prefill_workers is None or args.decode_workers is None):
         raise ValueError("--encode-workers needs --prefill-workers and --decode-workers "
@@ -69,6 +75,9 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         return None
     if args.prefill_workers is None or args.decode_workers is None:
         raise ValueError("--prefill-workers and --decode-workers go together")
+    decode_dp = getattr(args, "decode_data_parallel_size", 1)
+    if decode_dp < 1:
+        raise ValueError("--decode-data-parallel-size must be >= 1")
     from deepinfer.cluster.cluster_config import ClusterConfig
     from deepinfer.cluster.disagg_client import DisaggClient
 
@@ -82,8 +91,9 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         open_store(store_url, b"\0" * 16).close()  # validate the URL now
     from deepinfer.cluster.launcher import launcher_from_args, placement_config
     launcher = launcher_from_args(args)  # --cluster ray: connects to (or starts) Ray here
+    num_decode = args.decode_workers * (1 if decode_ep is not None else decode_dp)
     cluster = ClusterConfig(
-        num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers,
+        num_prefill_workers=args.prefill_workers, num_decode_workers=num_decode,
         kv_store_url=store_url, prefill_router=args.prefill_router,
         decode_router=args.decode_router, transfer_timeout_s=args.kv_transfer_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -94,6 +104,11 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config):
         cpu_affinity=getattr(args, "cpu_affinity", False),
         **encode_config(args, launcher), **placement_config(args, launcher))
     launcher.check(cluster)  # e.g. no Ray node for a role: one line, before anything starts
+    if decode_ep is not None:
+        if launcher.name != "local":
+            raise ValueError("expert-parallel decode groups run on --cluster local only")
+        from deepinfer.ep.ep_disagg_client import EPDisaggClient
+        return EPDisaggClient(engine_config, cluster, decode_ep, launcher=launcher)
     return DisaggClient(engine_config, cluster, launcher=launcher)
 
 
