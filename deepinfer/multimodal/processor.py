@@ -144,3 +144,21 @@ def image_token_spans(token_ids: list[int], image_token_id: int, num_images: int
             raise ValueError("an image's tokens are not contiguous in the prompt")
         spans.append((run[0], length))
     return spans
+
+
+def vision_language_checkpoint(model: str | None) -> str | None:
+    """`model` if it is a Hugging Face directory of a vision-language checkpoint, else None."""
+    import json
+    import os
+
+    from deepinfer.models.model_config import VISION_LANGUAGE_ARCHITECTURES
+
+    if model is None or not os.path.isdir(os.path.expanduser(model)):
+        return None
+    path = os.path.expanduser(model)
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            architectures = json.load(f).get("architectures") or ()
+    except (OSError, ValueError):
+        return None
+    return path if any(a in VISION_LANGUAGE_ARCHITECTURES for a in architectures) else None

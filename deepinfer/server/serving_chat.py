@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages → chat template → one engine request with n choices."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,9 +53,52 @@ def apply_chat_template(tokenizer, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-class OpenAIServingChat(OpenAIServing):
+def has_image_parts(messages: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in messages)
 
-    def _prepare(self, request: ChatCompletionRequest):
+
+class OpenAIServingChat(OpenAIServing):
+    # Vision-language models (colocated): the checkpoint's MultiModalProcessor and the
+    # operator's MediaPolicy, set by `enable_images`; None = image parts are refused.
+    mm_processor = None
+    media_policy = None
+
+    def enable_images(self, processor, policy) -> None:
+        self.mm_processor, self.media_policy = processor, policy
+
+    async def _process_images(self, request: ChatCompletionRequest):
+        """(prompt token ids, MultiModalInputs) for a chat with image_url parts; 400 for a bad
+        or refused image. Decoding and preprocessing run off the event loop."""
+        from deepinfer.multimodal.processor import load_message_images
+
+        if self.mm_processor is None:
+            raise bad_request(f"model {self.model_name} does not accept images", param="messages")
+        messages = []
+        for i, message in enumerate(request.messages):
+            role = message.get("role")
+            if role not in _ROLES:
+                raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}",
+                                  param=f"messages[{i}].role")
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                    not isinstance(p, dict) or p.get("type") not in ("text", "image_url") for p in content):
+                raise bad_request(f"messages[{i}].content: only text and image_url parts are supported",
+                                  param=f"messages[{i}].content")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": "" if content is None else content})
+
+        def process():
+            loaded = load_message_images(messages, self.media_policy)
+            return self.mm_processor.process_chat(loaded, request.add_generation_prompt)
+
+        try:
+            return await asyncio.to_thread(process)
+        except ValueError as e:  # ImageInputError included: the image's or the messages' fault
+            raise bad_request(str(e), param="messages") from None
+
+    def _prepare(self, request: ChatCompletionRequest, prompt: list[int] | None = None):
         self.check_model(request.model)
         self.reject_unsupported(request)
         if request.tools:
@@ -64,12 +108,13 @@ class OpenAIServingChat(OpenAIServing):
                               param="response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        messages = normalize_messages(request.messages)
-        try:
-            prompt = apply_chat_template(self.client.tokenizer, messages,
-                                         request.add_generation_prompt)
-        except Exception as e:  # template errors are the caller's messages' fault
-            raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
+        if prompt is None:
+            messages = normalize_messages(request.messages)
+            try:
+                prompt = apply_chat_template(self.client.tokenizer, messages,
+                                             request.add_generation_prompt)
+            except Exception as e:  # template errors are the caller's messages' fault
+                raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
@@ -78,9 +123,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest):
         """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
-        prompt, params, admission = self._prepare(request)
+        mm_inputs = None
+        if has_image_parts(request.messages):
+            self.check_model(request.model)
+            prompt, mm_inputs = await self._process_images(request)
+            prompt, params, admission = self._prepare(request, prompt)
+        else:
+            prompt, params, admission = self._prepare(request)
         response_id = random_id("chatcmpl")
-        stream = self.submit(response_id, prompt, params, admission)
+        stream = self.submit(response_id, prompt, params, admission, mm_inputs=mm_inputs)
         if request.stream:
             return self._stream(request, response_id, stream, admission)
         state = None

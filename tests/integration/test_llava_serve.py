@@ -1,0 +1,98 @@
+"""LLaVA through `deepinfer serve` (colocated) with the official `openai` client sending PNG
+data URLs: greedy tokens equal transformers fp32 for one and two images; the same image again
+is a prefix hit (its image tokens are cached prompt tokens); a different image shares no block;
+bad images get a 400 and the server keeps serving."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from tests.integration.llava_checkpoints import hf_greedy, hf_llava, synthetic_image
+from tests.integration.serve_process import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 8
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_checkpoints):
+    server = ServeProcess("--model", llava_checkpoints["siglip"], "--dtype", "float32", "--threads", "1",
+                          "--kv-cache-memory", "16MiB", "--limit-mm-per-prompt", '{"image": 2}')
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, f"server did not stop cleanly ({code})"
+
+
+@pytest.fixture(scope="module")
+def reference(llava_checkpoints):
+    """(HF model, our MultiModalProcessor) for the served checkpoint."""
+    from deepinfer.multimodal.processor import MultiModalProcessor
+    directory = llava_checkpoints["siglip"]
+    return hf_llava(directory)[0], MultiModalProcessor.from_pretrained(directory)
+
+
+def _chat(client, *images, text="Describe."):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0,
+        messages=[{"role": "user", "content": parts + [{"type": "text", "text": text}]}],
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def _expected(reference, *images, text="Describe."):
+    hf, processor = reference
+    parts = [{"type": "image", "image": im} for im in images]
+    token_ids, mm = processor.process_chat([{"role": "user", "content": parts + [{"type": "text", "text": text}]}])
+    pixels = np.stack([p.to_numpy() for p in mm.pixel_values])
+    return token_ids, hf_greedy(hf, token_ids, pixels, MAX_TOKENS), mm
+
+
+def test_openai_client_image_chats_match_transformers_and_hit_the_prefix_cache(llava_server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused")
+    one, two, other = synthetic_image(21, (50, 40)), synthetic_image(22, (30, 30)), synthetic_image(23, (50, 40))
+    for images in ((one,), (one, two)):
+        response = _chat(client, *images)
+        prompt_ids, expected, _ = _expected(reference, *images)
+        assert response.model_extra["prompt_token_ids"] == prompt_ids
+        assert response.choices[0].model_extra["token_ids"] == expected
+    # `one` was sent twice already: its blocks are cached, image tokens included.
+    again = _chat(client, one)
+    _, _, mm = _expected(reference, one)
+    image = mm.placeholders[0]
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= image.end - 16 and cached > image.offset
+    # Another image of the same size: the same prompt token ids, but no block is shared.
+    different = _chat(client, other)
+    assert different.usage.prompt_tokens == again.usage.prompt_tokens
+    assert image.offset < 16 and different.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_bad_images_get_a_400_then_a_good_request_succeeds(llava_server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    bad_urls = ["data:image/png;base64,not-base64!!", "data:image/png;base64," + base64.b64encode(b"nope").decode(),
+                "http://example.com/cat.png", "file:///etc/passwd"]
+    for url in bad_urls:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    with pytest.raises(openai.BadRequestError, match="At most 2 image"):
+        _chat(client, *(synthetic_image(30 + i) for i in range(3)))
+    assert len(_chat(client, synthetic_image(40)).choices[0].model_extra["token_ids"]) == MAX_TOKENS
