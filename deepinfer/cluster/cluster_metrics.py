@@ -25,6 +25,9 @@ _COUNTERS = (
      lambda c: c.host_hit_tokens),
     ("store_loads_skipped", "Prompts whose stored prefix was recomputed (predicted cheaper "
      "than loading it).", lambda c: c.store_loads_skipped),
+    ("store_read_timeouts", "Prompts whose store read outlived its budget (twice the "
+     "predicted recompute time): admitted with what had arrived, the rest recomputed.",
+     lambda c: c.store_read_timeouts),
     ("store_await_tokens", "Prompt tokens awaited from the store while another worker "
      "computed them.", lambda c: c.store_await_tokens),
     ("store_blocks_published", "Blocks queued for the store as their chunk was computed.",

@@ -128,6 +128,7 @@ class WorkerCounters(msgspec.Struct):
     store_hit_tokens: int = 0  # loaded from the shared store (fs, redis)
     host_hit_tokens: int = 0  # loaded from the worker's host-memory tier
     store_loads_skipped: int = 0  # prompts whose stored prefix was recomputed (cheaper)
+    store_read_timeouts: int = 0  # prompts admitted at their read deadline (rest recomputed)
     store_await_tokens: int = 0  # awaited blocks (computed by another worker) that arrived
     store_blocks_published: int = 0  # blocks queued for the store as their chunk finished
     store_bytes_read: int = 0

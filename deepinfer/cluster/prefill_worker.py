@@ -15,7 +15,11 @@ through to the store, and the front receives the first token plus a `PrefillDone
 Load or recompute: store reads and prefill compute are both measured (`RateEstimator`); a
 prefix is read only when `plan_store_load` predicts that loading beats recomputing, and a
 read (or wait) is cut off at twice the predicted recompute time (plus 20 ms), so a slow store
-can cost a prefill at most about that much over having no store.
+can cost a prefill at most about that much over having no store. The cut-off holds even when
+one read hangs: at its deadline the request is admitted with the blocks read so far (the
+rest is recomputed), and the hung read's age raises the store estimate at once, so the next
+prompts recompute instead of paying the deadline again. While the estimate says "slow", every
+`STORE_PROBE_EVERY`-th prompt still reads (within the same budget), to notice recovery.
 
 Staged host memory is capped (`StagingBudget`, `spec.max_staged_bytes`): a prompt enters the
 engine only when its KV will fit next to what is staged and promised; until then it waits
@@ -46,6 +50,7 @@ COMPUTE_PRIOR_S_PER_TOKEN = 1e-3
 STORE_PRIOR_S_PER_TOKEN = 2e-5
 STORE_READ_LATENCY_S = 1e-3
 READ_BUDGET_SLACK_S = 0.02
+STORE_PROBE_EVERY = 16  # skipped prompts per probe read while loading looks dearer
 
 
 @dataclass
@@ -77,6 +82,7 @@ class PrefillWorkerLoop(WorkerLoop):
                                         typical_units=256)
         self._step_start: tuple[float, int] | None = None
         attach_embedding_store(engine, spec.kv_store_url)  # E/P/D: embeddings by image hash
+        self._num_skipped_since_read = 0
 
     def handle(self, message) -> None:
         if isinstance(message, AbortRequests):
@@ -123,22 +129,29 @@ class PrefillWorkerLoop(WorkerLoop):
                                lambda k: self.store_rate.seconds(k * bs),
                                lambda new, ctx: self.compute_rate.seconds(new))
         num_await = max(0, min(message.num_await_blocks, len(hashes)) - num_device)
-        if plan.num_load_blocks == 0 and num_await == 0:
+        num_read = max(plan.num_load_blocks, num_await)
+        if num_read == 0 and self._num_skipped_since_read + 1 >= STORE_PROBE_EVERY:
+            num_read = len(wanted)  # a probe: has the store become fast again?
+        if num_read == 0:
+            self._num_skipped_since_read += 1
             self.counters.store_loads_skipped += 1
             return
+        self._num_skipped_since_read = 0
+        now = time.monotonic()
         # Reading (or waiting) much longer than recomputing would take only makes TTFT
         # worse; twice the estimate (plus a little) leaves room for its noise.
-        budget_s = 2.0 * self.compute_rate.seconds(len(wanted) * bs) + READ_BUDGET_SLACK_S
+        budget_s = 2.0 * self.compute_rate.seconds(num_read * bs) + READ_BUDGET_SLACK_S
         if num_await:
             budget_s = max(budget_s, message.await_timeout_s)
-        job = PrefetchJob(message.request_id, wanted, time.monotonic() + budget_s,
+        job = PrefetchJob(message.request_id, wanted[:num_read], now + budget_s,
                           num_await_blocks=num_await)
         self._jobs[message.request_id] = job
         self.prefetcher.submit(job)
 
     def _prefetch_ready(self, request_id: str) -> bool:
+        """Its reads are done, or past their deadline (a hung read is not waited for)."""
         job = self._jobs.get(request_id)
-        return job is None or job.done
+        return job is None or job.done or time.monotonic() >= job.deadline
 
     def _collect_prefetches(self) -> None:
         if self.prefetcher is None:
@@ -170,20 +183,37 @@ class PrefillWorkerLoop(WorkerLoop):
     def _load_prefetched(self, message: PrefillRequest) -> tuple[int, int]:
         """Write the prefetched blocks into the device cache: (store tokens, host tokens)."""
         job = self._jobs.pop(message.request_id, None)
-        if job is None or not job.payloads:
+        if job is None:
             return 0, 0
         bs = self.engine.config.block_size
-        fetched = dict(zip(job.block_hashes, job.payloads))
+        if not job.done:
+            self._give_up_read(job)
+        payloads, tiers = job.leading()
+        if not payloads:
+            return 0, 0
+        fetched = dict(zip(job.block_hashes, payloads))
         load = self.tier.load_fetched(self.tier.usable_hashes(message.prompt_token_ids,
                                                               image_spans(message)), fetched)
-        tiers = dict(zip(job.block_hashes, job.tiers))
+        tiers = dict(zip(job.block_hashes, tiers))
         hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
         loaded = hashes[load.num_device_blocks:load.num_device_blocks + load.num_store_blocks]
         num_host = sum(1 for h in loaded if tiers.get(h) == HOST_TIER)
         if job.num_await_blocks:
-            self.counters.store_await_tokens += min(len(job.payloads),
-                                                    job.num_await_blocks) * bs
+            self.counters.store_await_tokens += min(len(payloads), job.num_await_blocks) * bs
         return load.num_store_blocks * bs, num_host * bs
+
+    def _give_up_read(self, job: PrefetchJob) -> None:
+        """The job's deadline passed mid-read: the rest of the prompt is recomputed. A read
+        still running after t seconds proves the store costs at least t per block; the moving
+        average would need many more prompts (each paying the whole budget) to learn that."""
+        self.prefetcher.cancel(job.request_id)
+        self.counters.store_read_timeouts += 1
+        since = job.reading_since
+        if since is not None:
+            s_per_token = (time.monotonic() - since) / self.engine.config.block_size
+            if s_per_token > self.store_rate.s_per_unit:
+                self.store_rate.s_per_unit = s_per_token
+                self.store_rate.num_samples += 1
 
     def _admit(self, message: PrefillRequest) -> bool:
         missing = missing_embeddings(self.engine, message)

@@ -9,7 +9,10 @@ The engine loop never waits on the store: it admits a request once its job is do
 ends at its first miss (the rest of the prompt is computed), at its deadline (what arrived
 is used; set by the caller to what recomputing would cost), or, for the first
 `num_await_blocks`, after waiting for blocks another worker is computing and publishing
-now. Read times are measured for the store's rate estimate.
+now. Read times are measured for the store's rate estimate. A caller need not wait for a
+job stuck in one slow read past its deadline: `leading()` is what has arrived so far, and
+`reading_since` says how long the read in progress has taken (a lower bound on the store's
+cost per block).
 """
 from __future__ import annotations
 
@@ -35,8 +38,14 @@ class PrefetchJob:
     num_bytes: int = 0
     read_s: float = 0.0  # time spent in store reads (waits excluded)
     waited_s: float = 0.0
+    reading_since: float | None = None  # a store read is in progress since (monotonic)
     cancelled: bool = False
     done: bool = False
+
+    def leading(self) -> tuple[list[bytes], list[str]]:
+        """(payloads, tiers) read so far; safe while the thread still appends."""
+        n = min(len(self.payloads), len(self.tiers))
+        return self.payloads[:n], self.tiers[:n]
 
 
 class KVPrefetcher:
@@ -112,9 +121,7 @@ class KVPrefetcher:
         for i, block_hash in enumerate(job.block_hashes):
             if job.cancelled or time.monotonic() > job.deadline:
                 return
-            start = time.monotonic()
-            payload, tier = self._fetch(block_hash)
-            job.read_s += time.monotonic() - start
+            payload, tier = self._timed_fetch(job, block_hash)
             if payload is None and i < job.num_await_blocks:
                 payload, tier = self._await(job, block_hash)
             if payload is None:
@@ -123,15 +130,21 @@ class KVPrefetcher:
             job.tiers.append(tier)
             job.num_bytes += len(payload)
 
+    def _timed_fetch(self, job: PrefetchJob, block_hash: bytes):
+        job.reading_since = start = time.monotonic()
+        try:
+            return self._fetch(block_hash)
+        finally:
+            job.read_s += time.monotonic() - start
+            job.reading_since = None
+
     def _await(self, job: PrefetchJob, block_hash: bytes) -> tuple[bytes | None, str | None]:
         """Poll for a block another worker is publishing, until the job's deadline."""
         start = time.monotonic()
         try:
             while not job.cancelled and time.monotonic() < job.deadline:
                 if self._contains(block_hash):
-                    t = time.monotonic()
-                    payload, tier = self._fetch(block_hash)
-                    job.read_s += time.monotonic() - t
+                    payload, tier = self._timed_fetch(job, block_hash)
                     if payload is not None:
                         return payload, tier
                 time.sleep(AWAIT_POLL_S)
