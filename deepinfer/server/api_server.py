@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,6 +42,9 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     log_level: str = "warning"
     engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
+    # A vision-language checkpoint: chat image parts go through its processor under this policy.
+    mm_model_path: str | None = None
+    media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
 
 
 class _ClientDisconnected(Exception):
@@ -126,6 +130,11 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     gate = AdmissionGate(config.max_waiting_requests, lambda: client.num_waiting_requests)
     completion = OpenAIServingCompletion(client, metrics, served_names, gate)
     chat = OpenAIServingChat(client, metrics, served_names, gate)
+    if config.mm_model_path:
+        from deepinfer.multimodal.image_input import MediaPolicy
+        from deepinfer.multimodal.processor import MultiModalProcessor
+        chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path),
+                           config.media_policy or MediaPolicy())
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
 
     if config.api_key:

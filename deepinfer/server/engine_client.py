@@ -211,7 +211,7 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, arrival_time: float | None = None,
-                       ) -> AsyncIterator[RequestDelta]:
+                       mm_inputs=None) -> AsyncIterator[RequestDelta]:
         """Yield the request's deltas until it finishes. Raises ValueError if the engine rejects
         the request, EngineDeadError if the engine dies. Aborts in the engine on early exit."""
         if not self.is_healthy:
@@ -225,7 +225,8 @@ class EngineClient:
             logger.debug("add %s", request_id)
             try:
                 frame = self._encoder.encode(AddRequest(request_id, list(prompt_token_ids),
-                                                        params, arrival_time or time.monotonic()))
+                                                        params, arrival_time or time.monotonic(),
+                                                        mm_inputs=mm_inputs))
             except (OverflowError, TypeError) as e:  # a value the wire cannot carry
                 finished = True
                 raise ValueError(f"invalid request parameters: {e}") from None

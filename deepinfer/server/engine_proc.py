@@ -179,7 +179,8 @@ class EngineLoop:
         self.num_requests_received += 1
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids,
-                                    message.sampling_params, arrival_time=message.arrival_time)
+                                    message.sampling_params, arrival_time=message.arrival_time,
+                                    mm_inputs=message.mm_inputs)
             self.tracker.add_request(message.request_id, message.sampling_params)
         except ValueError as e:
             self._pending_errors.append(RequestError(message.request_id, str(e)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
 
 # --- front -> engine ---------------------------------------------------------------------------
@@ -28,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    mm_inputs: MultiModalInputs | None = None  # the prompt's images (vision-language models)
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -206,10 +206,11 @@ class OpenAIServing:
             raise bad_request(str(e)) from None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, admission: Admission,
+                     params: SamplingParams, admission: Admission, mm_inputs=None,
                      ) -> AsyncIterator[EngineRequestState]:
         """Run one engine request; yields its state after every delta (same object, updated).
-        Engine rejection -> 400 APIError; dead engine -> 500 APIError."""
+        Engine rejection -> 400 APIError; dead engine -> 500 APIError. `mm_inputs`: the
+        prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
         arrival = time.monotonic()
         state = EngineRequestState(request_id, prompt_token_ids,
                                    [ChoiceState(i) for i in range(params.n)])
@@ -217,8 +218,9 @@ class OpenAIServing:
         finished = False
         try:
             admission.start_one()  # no await before generate() counts it as waiting
+            images = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
             async for delta in self.client.generate(request_id, prompt_token_ids, params,
-                                                    arrival):
+                                                    arrival, **images):
                 now = time.monotonic()
                 state.apply(delta)
                 timer.on_tokens(now, sum(len(c.token_ids) for c in delta.choices),
