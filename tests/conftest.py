@@ -71,8 +71,8 @@ def default_model_fp32(default_model_source):
 @pytest.fixture(scope="session")
 def small_server():
     """A started `ServeProcess` (no API key, no waiting limit, --max-model-len 64)."""
-    from tests.integration.serve_process import SMALL_SERVER_ARGS, ServeProcess
-    server = ServeProcess(*SMALL_SERVER_ARGS)
+    from tests.integration.serve_process import SMALL_SERVER_ARGS, SMALL_SERVER_ENV, ServeProcess
+    server = ServeProcess(*SMALL_SERVER_ARGS, env=SMALL_SERVER_ENV)
     try:
         server.wait_ready()
         yield server

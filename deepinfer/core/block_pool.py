@@ -95,6 +95,14 @@ class BlockPool:
         # A concurrent duplicate keeps the first owner in the map; this one stays unlisted.
         self._cached.setdefault(block_hash, block.block_id)
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Forget `block`'s hash (its KV is not valid: e.g. a failed step left it partial)."""
+        if block.block_hash is None:
+            return
+        if self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if self.num_used_blocks:

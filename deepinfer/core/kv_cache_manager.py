@@ -192,6 +192,18 @@ class KVCacheManager:
             self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_hashed_blocks[request.request_id] = max(start, end)
 
+    def uncache_uncomputed_blocks(self, request: Request) -> None:
+        """Take the request's blocks past its computed tokens out of the prefix cache: they
+        were registered when scheduled, and a step that failed part-way left them partial."""
+        table = self.req_blocks.get(request.request_id)
+        if not table:
+            return
+        first = request.num_computed_tokens // self.block_size
+        for block in table[first:]:
+            self.pool.uncache_block(block)
+        self._num_hashed_blocks[request.request_id] = min(
+            self._num_hashed_blocks.get(request.request_id, 0), first)
+
     def trim(self, request: Request, num_tokens: int) -> int:
         """Free the request's blocks past its first `num_tokens` slots (they held rejected
         draft tokens or lookahead KV, and were never registered); returns how many."""

@@ -310,6 +310,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def reset_failed_step(self, output: SchedulerOutput) -> None:
+        """Undo `output` after its execution failed (no result applied). Its requests' new
+        blocks may hold partial KV: they leave the prefix cache, and every request the step
+        scheduled goes back to waiting to be recomputed (one may have hit another's new
+        blocks in the same step; their computed full blocks stay cached, so it is cheap)."""
+        requests = [r for s in output.scheduled
+                    if (r := self.requests.get(s.request_id)) is not None
+                    and r.status == RequestStatus.RUNNING]
+        for request in requests:
+            self.kv.uncache_uncomputed_blocks(request)
+        for request in reversed(requests):  # appendleft: keep their order at the front
+            self.running.remove(request)
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            self.waiting.appendleft(request)
+        # The runner never saw these: hand them to the next step's output.
+        self._finished_ids = output.finished_request_ids + self._finished_ids
+
     # ---- results ---------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: StepResult) -> SchedulerUpdate:
         update = SchedulerUpdate(finished=self._finished_outside_update)

@@ -16,15 +16,20 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_state import RequestState, SequenceState
+from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describe, pin_step_fault
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
-from deepinfer.runtime.kv_cache import parse_memory
+from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
 from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Failed steps in a row before the engine gives up and raises (its process is restarted):
+# a fault that survives failing every request in flight is not going away by itself.
+MAX_FAILED_STEPS_IN_ROW = 3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,6 +39,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
+    # A loop that reports `take_request_failures()` sets this: a step that raises then fails
+    # only the requests it can be pinned on (or, if none, every request in flight) instead of
+    # raising. Off, e.g. for expert-parallel ranks whose steps must stay in lockstep.
+    isolate_step_faults = False
+
     def __init__(self, config: EngineConfig, *, source: ModelSource | None = None,
                  model: torch.nn.Module | None = None, tokenizer=None) -> None:
         self.config = config
@@ -54,7 +64,13 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         spec = kv_cache_spec_for(self.model_config, config.block_size, self.dtype)  # MHA/GQA or MLA latent
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for(parse_memory(config.kv_cache_memory))
+        spec_config = config.speculative_config
+        self.draft_kv_spec = None  # a draft model's / MTP layer's own KV, one block per block
+        if spec_config is not None:
+            from deepinfer.spec.speculator import draft_kv_cache_spec
+            self.draft_kv_spec = draft_kv_cache_spec(spec_config, self.source, self.model_config,
+                                                     config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(spec)
         self.cache = allocate_kv_cache(spec, num_blocks, self.device)
         logger.info("KV cache: %d bytes per token (%s), %d blocks hold %d tokens",
                     kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
@@ -69,7 +85,6 @@ class LLMEngine:
             self.embedding_cache = self.mm_images.cache
             self.runner.mm_embeds = self.mm_images
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        spec_config = config.speculative_config
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
                             num_lookahead_tokens=spec_config.num_lookahead_tokens
@@ -90,8 +105,27 @@ class LLMEngine:
         self._last_predicted: float | None = None
         self._prediction_abs_error_sum = 0.0
         self._num_predicted_steps = 0
+        self._failures: list[RequestFailure] = []
+        self._num_failed_steps_in_row = 0
+        self.num_failed_steps = 0
+        self.num_failed_requests = 0
+        self.debug_fault = DebugStepFault.from_env()
         logger.info("engine ready: %s %s on %s, %d KV blocks of %d tokens", self.model_name,
                     config.dtype, self.device, num_blocks, config.block_size)
+
+    def _num_blocks_for_memory(self, spec) -> int:
+        """Blocks `--kv-cache-memory` holds: with a drafter that keeps KV, each block also
+        costs its draft block, so target + draft caches together stay within the flag."""
+        memory = parse_memory(self.config.kv_cache_memory)
+        draft = self.draft_kv_spec
+        bytes_per_block = spec.bytes_per_block + (draft.bytes_per_block if draft else 0)
+        num_blocks = blocks_that_fit(memory, bytes_per_block)
+        if draft is not None:
+            logger.info("KV cache memory %d B split: target %d B + draft %d B (%d blocks of "
+                        "%d + %d B)", memory, num_blocks * spec.bytes_per_block,
+                        num_blocks * draft.bytes_per_block, num_blocks, spec.bytes_per_block,
+                        draft.bytes_per_block)
+        return num_blocks
 
     def _build_budget_policy(self) -> StepBudgetPolicy:
         if self.config.scheduler == "token-budget":
@@ -225,7 +259,14 @@ class LLMEngine:
                 state.num_cached_tokens = self.scheduler.requests[s.request_id].num_cached_tokens or 0
         if self.mm_images is not None:  # encode the images this step's chunks cover
             self.mm_images.prepare(sched_out.scheduled, self.scheduler.requests)
-        result = self.runner.execute(sched_out)
+        try:
+            result = self._execute(sched_out)
+        except Exception as exc:
+            if not self.isolate_step_faults:
+                raise
+            self._recover_failed_step(sched_out, exc)
+            return []
+        self._num_failed_steps_in_row = 0
         update = self.scheduler.update(sched_out, result)
         self._num_steps += 1
         self._last_step_time = result.step_time_s
@@ -240,6 +281,55 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(sched_out)  # drafts for the next step
         return outputs
+
+    def _execute(self, output) -> StepResult:
+        self.debug_fault.check(output)
+        return self.runner.execute(output)
+
+    def _recover_failed_step(self, output, exc: Exception) -> None:
+        """Fail the requests the fault is pinned on (or every request in flight), undo the
+        step for the rest (they are recomputed) and carry on. Raises `exc` after
+        MAX_FAILED_STEPS_IN_ROW failed steps in a row."""
+        self.num_failed_steps += 1
+        self._num_failed_steps_in_row += 1
+        if self._num_failed_steps_in_row > MAX_FAILED_STEPS_IN_ROW:
+            logger.error("%d engine steps in a row failed; giving up", MAX_FAILED_STEPS_IN_ROW)
+            raise exc
+        logger.exception("engine step failed (%d requests scheduled)", len(output.scheduled))
+        culprits = pin_step_fault(self._execute, output, exc)
+        self.scheduler.reset_failed_step(output)
+        if self.speculator is not None:  # drafter state of the undone step is stale
+            self.speculator.forget([s.request_id for s in output.scheduled]
+                                   + output.preempted_request_ids + output.finished_request_ids)
+        if culprits:
+            failed = {}
+            for child_id, error in culprits.items():
+                parent = self._child_parent.get(child_id)
+                if parent is not None:
+                    failed.setdefault(parent, error)
+            for request_id, error in failed.items():
+                logger.error("request %s failed in the engine: %s", request_id, error)
+                self._fail(request_id, f"the engine failed while running this request "
+                                       f"({error}); other requests were not affected")
+            return
+        error = describe(exc)
+        logger.error("engine step failed for no single request; failing all %d in flight: %s",
+                     len(self._states), error)
+        for request_id in list(self._states):
+            self._fail(request_id, f"an engine step failed ({error}); every request in flight "
+                                   "was stopped and the engine was reset", engine_fault=True)
+        self.scheduler.kv.pool.reset_prefix_cache()  # nothing in use now: drop partial blocks
+
+    def _fail(self, request_id: str, message: str, engine_fault: bool = False) -> None:
+        self.abort_request([request_id])
+        self.num_failed_requests += 1
+        self._failures.append(RequestFailure(request_id, message, engine_fault))
+
+    def take_request_failures(self) -> list[RequestFailure]:
+        """Requests the engine dropped with an error since the last call (see
+        `isolate_step_faults`); each must be answered with its error."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _process(self, update: SchedulerUpdate, result: StepResult, now: float) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}

@@ -42,6 +42,15 @@ class EngineDeadError(RuntimeError):
     """The engine process died; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """A step failed while running this request; the engine dropped it and kept serving.
+    `engine_fault`: the fault was not this request's (every request in flight failed)."""
+
+    def __init__(self, message: str, engine_fault: bool = False) -> None:
+        super().__init__(message)
+        self.engine_fault = engine_fault
+
+
 class _RequestFailed:
     """Queue item telling `generate()` to raise (engine rejected the request or died)."""
 
@@ -294,7 +303,9 @@ class EngineClient:
         for error in message.errors:
             queue = self._queues.get(error.request_id)
             if queue is not None:
-                queue.put_nowait(_RequestFailed(ValueError(error.message)))
+                queue.put_nowait(_RequestFailed(
+                    RequestFailedError(error.message, error.engine_fault) if error.failed
+                    else ValueError(error.message)))
 
     async def _on_engine_dead(self, proc, input_socket, output_socket, message: str) -> None:
         if self._supervisor.policy.max_restarts > 0:
@@ -322,6 +333,7 @@ def _exit_message(exitcode: int | None) -> str:
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+             "num_failed_steps", "num_failed_requests",
              "prediction_abs_error_sum", "num_predicted_steps", "spec_decode_num_drafts",
              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 

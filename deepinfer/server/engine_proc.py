@@ -125,7 +125,9 @@ def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
         spec_decode_num_drafts=s.spec_decode_num_drafts,
         spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
-        spec_decode_num_accepted_tokens_per_pos=list(s.spec_decode_num_accepted_tokens_per_pos))
+        spec_decode_num_accepted_tokens_per_pos=list(s.spec_decode_num_accepted_tokens_per_pos),
+        num_failed_steps=getattr(engine, "num_failed_steps", 0),
+        num_failed_requests=getattr(engine, "num_failed_requests", 0))
 
 
 class EngineLoop:
@@ -152,6 +154,7 @@ class EngineLoop:
                 return
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
+                self._take_failures()
                 self._send_outputs([self.tracker.to_delta(o) for o in outputs])
             elif self._pending_errors or self._stats_dirty or \
                     time.monotonic() - self._last_stats_time > IDLE_STATS_PERIOD_S:
@@ -190,6 +193,15 @@ class EngineLoop:
                 message.request_id, f"the engine cannot run this request: "
                                     f"{type(e).__name__}: {e}"))
 
+    def _take_failures(self) -> None:
+        """Requests a failed step dropped (the engine carried on): answer them with errors."""
+        for failure in self.engine.take_request_failures():
+            self.tracker.forget([failure.request_id])
+            self._pending_errors.append(RequestError(
+                failure.request_id, failure.message, failed=True,
+                engine_fault=failure.engine_fault))
+            self._stats_dirty = True
+
     def _send_outputs(self, deltas: list[RequestDelta]) -> None:
         stats = _stats_snapshot(self.engine, self.num_requests_received)
         message = EngineOutputs(outputs=deltas, errors=self._pending_errors, stats=stats)
@@ -218,6 +230,7 @@ def run_engine_proc(engine_config, input_addr: str, output_addr: str, parent_pid
         from deepinfer.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_config)
+        engine.isolate_step_faults = True  # this loop answers take_request_failures()
         output_socket.send(encoder.encode(EngineReady(
             model_name=engine.model_name, max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size),

@@ -88,10 +88,14 @@ class RequestDelta(msgspec.Struct):
 
 
 class RequestError(msgspec.Struct):
-    """The engine rejected a request (e.g. prompt longer than the context); it holds no state."""
+    """The engine rejected a request (e.g. prompt longer than the context), or (`failed`) a
+    step failed while running it; either way it holds no state for it now.
+    `engine_fault`: the failure was the engine's (every request in flight failed)."""
 
     request_id: str
     message: str
+    failed: bool = False
+    engine_fault: bool = False
 
 
 class EngineStatsSnapshot(msgspec.Struct):
@@ -114,6 +118,8 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    num_failed_steps: int = 0  # engine steps that raised (isolated, the engine kept serving)
+    num_failed_requests: int = 0  # requests failed because of them
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

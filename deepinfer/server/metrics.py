@@ -55,6 +55,9 @@ class EngineStatsCollector:
                  s.prediction_abs_error_sum),
                 ("step_time_prediction_steps", "Steps with a cost-model prediction.",
                  s.num_predicted_steps),
+                ("engine_step_failures", "Engine steps that raised and were recovered from "
+                 "(the requests they were pinned on failed; the rest went on).",
+                 s.num_failed_steps),
                 # speculative decoding (vLLM's names); mean acceptance length =
                 # 1 + rate(accepted_tokens) / rate(drafts)
                 ("spec_decode_num_drafts", "Verifications of draft tokens.",
@@ -120,6 +123,11 @@ class ServerMetrics:
                                          ).labels(model_name)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        # reason: "request" (a step failed on this request; the others went on), "engine"
+        # (a step failed on no single request: all in flight failed), "engine_dead"
+        self.request_failures = Counter(PREFIX + "request_failures",
+                                        "Requests answered with an engine error, by reason.",
+                                        ["model_name", "reason"], registry=self.registry)
 
     def request_timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
@@ -150,6 +158,9 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last_token_time)
         self.last_token_time = now
         self.num_tokens += num_new_tokens
+
+    def on_failure(self, reason: str) -> None:
+        self.metrics.request_failures.labels(self.metrics.model_name, reason).inc()
 
     def on_finish(self, now: float, finish_reason: str | None,
                   times: RequestTimes | None) -> None:

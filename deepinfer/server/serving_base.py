@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.admission import Admission, AdmissionGate
-from deepinfer.server.engine_client import EngineClient, EngineDeadError
+from deepinfer.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
@@ -232,7 +232,13 @@ class OpenAIServing:
         except ValueError as e:
             finished = True  # rejected by the engine: never ran
             raise bad_request(str(e), param="prompt") from None
+        except RequestFailedError as e:
+            finished = True  # the engine dropped it: counted as a failure, not an abort
+            timer.on_failure("engine" if e.engine_fault else "request")
+            raise APIError(500, f"The request failed in the engine: {str(e)[-500:]}",
+                           type="internal_error", code="request_failed") from None
         except EngineDeadError as e:
+            timer.on_failure("engine_dead")
             raise APIError(500, f"The engine died: {str(e)[-500:]}", type="internal_error",
                            code="engine_dead") from None
         finally:

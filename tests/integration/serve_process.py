@@ -16,6 +16,9 @@ import httpx
 # A small server for robustness tests: any valid request generates at most ~60 tokens.
 SMALL_SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1",
                      "--max-model-len", "64", "--max-num-seqs", "8")
+# Its engine raises inside the step for a request with this seed (step_faults.DebugStepFault).
+SMALL_SERVER_FAULT_SEED = 31337
+SMALL_SERVER_ENV = {"DEEPINFER_DEBUG_STEP_FAULT_SEED": str(SMALL_SERVER_FAULT_SEED)}
 
 
 def free_port() -> int:
@@ -27,7 +30,7 @@ def free_port() -> int:
 class ServeProcess:
     """`deepinfer serve ARGS --port <free>`; `wait_ready()` blocks until /health is 200."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         script = Path(sys.executable).with_name("deepinfer")
@@ -36,7 +39,7 @@ class ServeProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-serve-", suffix=".log")
         self.proc = subprocess.Popen(
             command + ["serve", "--port", str(self.port), *args], stdin=subprocess.DEVNULL,
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def output(self) -> str:
         self.log.flush()

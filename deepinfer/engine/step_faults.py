@@ -1,0 +1,85 @@
+"""When an engine step raises: which request caused it, and what the loop tells the front.
+
+A step runs many requests in one batch, so an exception names no request by itself. Code that
+knows the culprit raises `RequestFault`; otherwise `pin_step_fault` runs each scheduled
+request alone (nothing of a failed step is applied, and a re-run writes the same KV slots):
+the requests that fail alone are the culprits. If every one fails alone (or none does), the
+fault is the engine's, not a request's.
+
+`DebugStepFault` is the fault-injection hook the tests use over HTTP: with
+DEEPINFER_DEBUG_STEP_FAULT_SEED=<int> in the engine's environment, a step that schedules a
+request with that sampling seed raises, as a runner error caused by one request would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from deepinfer.core.scheduler_output import SchedulerOutput
+
+DEBUG_FAULT_SEED_ENV = "DEEPINFER_DEBUG_STEP_FAULT_SEED"
+
+
+class RequestFault(Exception):
+    """A step failed because of these requests (sequence ids) and no others."""
+
+    def __init__(self, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine dropped with an error (the front answers it with `message`).
+    `engine_fault`: the engine failed every request in flight, not only this one."""
+
+    request_id: str
+    message: str
+    engine_fault: bool = False
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1][:300] if text else ''}".rstrip(": ")
+
+
+def pin_step_fault(execute: Callable[[SchedulerOutput], object], output: SchedulerOutput,
+                   exc: Exception) -> dict[str, str]:
+    """The scheduled sequence ids to blame for `exc` (id -> error text); empty when the fault
+    cannot be pinned on some but not all of them. Re-runs requests alone through `execute`."""
+    ids = [s.request_id for s in output.scheduled]
+    if isinstance(exc, RequestFault):
+        return {i: describe(exc) for i in exc.request_ids if i in ids}
+    if len(ids) == 1:
+        return {ids[0]: describe(exc)}
+    culprits = {}
+    for sched in output.scheduled:
+        alone = SchedulerOutput([sched], sched.num_new_tokens)
+        try:
+            execute(alone)
+        except Exception as probe_exc:  # this request fails on its own
+            culprits[sched.request_id] = describe(probe_exc)
+    if len(culprits) == len(ids):
+        return {}  # every request fails: the engine is broken, not one request
+    return culprits
+
+
+class DebugStepFault:
+    """Raises inside the step for a request with the configured seed (tests only)."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+
+    @classmethod
+    def from_env(cls) -> DebugStepFault:
+        value = os.environ.get(DEBUG_FAULT_SEED_ENV)
+        return cls(int(value) if value else None)
+
+    def check(self, output: SchedulerOutput) -> None:
+        if self.seed is None:
+            return
+        for sched in output.scheduled:
+            if sched.sampling_params.seed == self.seed:
+                raise RuntimeError(f"injected fault for request {sched.request_id} "
+                                   f"({DEBUG_FAULT_SEED_ENV}={self.seed})")
