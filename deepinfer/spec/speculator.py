@@ -32,6 +32,12 @@ class Speculator:
         self.scheduler = scheduler
         self.backoff = backoff or DraftBackoff()
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop drafter state of these requests (e.g. a failed step was undone for them:
+        they are recomputed and drafted afresh)."""
+        self.drafter.remove(request_ids)
+        self.backoff.remove(request_ids)
+
     def propose(self, output: SchedulerOutput) -> None:
         """After `output` ran and was applied: draft for every request it computed tokens
         for that is still running (requests mid-prefill only let a drafter catch up)."""
@@ -81,11 +87,33 @@ def build_speculator(config: SpeculativeConfig, engine) -> Speculator:
     return Speculator(config, drafter, engine.scheduler)
 
 
+def draft_kv_cache_spec(config: SpeculativeConfig, source, model_config, block_size: int,
+                        dtype: torch.dtype):
+    """The layout of the drafter's own KV cache (None for n-gram drafts, which keep none).
+    It has one block per target block (same block ids), so each target block costs the
+    target's plus this spec's bytes: the engine sizes both from one `--kv-cache-memory`."""
+    from deepinfer.runtime.kv_cache_spec import kv_cache_spec_for
+
+    if config.method == "ngram":
+        return None
+    if config.method == "draft_model":
+        if config.model is not None:
+            from deepinfer.runtime.model_source import resolve_model
+            source = resolve_model(config.model)
+        return kv_cache_spec_for(source.config, block_size, dtype)
+    # MTP: one decoder layer of the target's own kind
+    return kv_cache_spec_for(dataclasses.replace(model_config, num_hidden_layers=1), block_size,
+                             dtype)
+
+
 def _draft_runner(model, model_config, engine):
     from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_cache_spec_for
     from deepinfer.spec.draft_runner import DraftRunner
 
     spec = kv_cache_spec_for(model_config, engine.config.block_size, engine.dtype)
+    if spec != engine.draft_kv_spec:  # the engine sized its blocks for engine.draft_kv_spec
+        raise RuntimeError(f"draft KV layout {spec} differs from the one the KV cache memory "
+                           f"was split for ({engine.draft_kv_spec})")
     cache = allocate_kv_cache(spec, engine.cache.num_blocks, engine.device)
     return DraftRunner(model, cache, engine.device, engine.config.seed)
 
