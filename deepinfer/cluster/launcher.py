@@ -84,7 +84,8 @@ def launcher_for(kind: str, **ray_options) -> WorkerLauncher:
 
 
 def add_placement_args(parser) -> None:
-    from deepinfer.cluster.ray_launcher import RESOURCES_HELP  # imports no ray
+    from deepinfer.cluster.ray_launcher import (  # imports no ray
+        EP_RESOURCES_HELP, EP_STRATEGY_HELP, RESOURCES_HELP)
     g = parser.add_argument_group("cluster placement (disaggregated workers)")
     g.add_argument("--cluster", default="local", metavar="KIND",
                    help=f"where prefill/decode workers run: {CLUSTER_KINDS_HELP}")
@@ -99,6 +100,9 @@ def add_placement_args(parser) -> None:
     g.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a worker removed by `deepinfer scale` may take to finish its "
                         "requests; what is left then is retried or failed like a lost worker's")
+    g.add_argument("--ep-rank-resources", default=None, metavar="JSON", help=EP_RESOURCES_HELP)
+    g.add_argument("--ep-placement-strategy", default=None, metavar="STRATEGY",
+                   help=EP_STRATEGY_HELP)
     g.add_argument("--cluster-host", default=None, metavar="IP",
                    help="--cluster ray: the address workers use to reach this server's "
                         "sockets (default: this node's IP as Ray sees it)")

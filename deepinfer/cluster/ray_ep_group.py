@@ -25,23 +25,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from deepinfer.cluster.ray_launcher import (ACTOR_MAX_CONCURRENCY, RayActorProcess,
+from deepinfer.cluster.ray_launcher import (ACTOR_MAX_CONCURRENCY, DEFAULT_EP_STRATEGY,
+                                            EP_PLACEMENT_STRATEGIES, RayActorProcess,
                                             RoleResources, connect_ray, front_host_for)
 from deepinfer.ep.dp_client import DataParallelClient
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.server.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
-
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-DEFAULT_STRATEGY = "STRICT_PACK"
-EP_RESOURCES_HELP = ("--cluster ray: JSON object of Ray resources per rank of a data/expert-"
-                     "parallel group (one placement-group bundle each), e.g. "
-                     "'{\"num_gpus\": 1, \"decode_node\": 1}' (default: 1 CPU, and 1 GPU when "
-                     "the cluster has GPUs)")
-STRATEGY_HELP = ("--cluster ray: how a group's bundles spread over nodes: STRICT_PACK (one "
-                 "node; default), PACK (as few nodes as fit), SPREAD, STRICT_SPREAD")
-
 
 def interface_of(ip: str) -> str | None:
     """The network interface holding `ip` on this machine (None when none does)."""
@@ -126,6 +117,18 @@ def bundles_that_fit(bundle: dict[str, float], node_resources: dict[str, float])
     return int(min(node_resources.get(k, 0.0) // v for k, v in bundle.items()))
 
 
+def group_room(bundle: dict[str, float], nodes: list[dict], strategy: str) -> int:
+    """The most ranks (bundles) a group placed with `strategy` can have on these nodes
+    (`ray.nodes()` entries, total resources): one node's worth for STRICT_PACK, one per node
+    for STRICT_SPREAD, all nodes' worth for PACK / SPREAD."""
+    per_node = [bundles_that_fit(bundle, n.get("Resources", {})) for n in nodes if n.get("Alive")]
+    if strategy == "STRICT_PACK":
+        return max(per_node, default=0)
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for n in per_node if n > 0)
+    return sum(per_node)
+
+
 class RayRankPlacement:
     """Connects to Ray (as `RayLauncher` does) and reserves one placement group per group
     incarnation."""
@@ -133,11 +136,11 @@ class RayRankPlacement:
     name = "ray"
 
     def __init__(self, address: str | None = None, resources: RoleResources | None = None,
-                 strategy: str = DEFAULT_STRATEGY, front_host: str | None = None,
+                 strategy: str = DEFAULT_EP_STRATEGY, front_host: str | None = None,
                  init_kwargs: dict | None = None) -> None:
-        if strategy not in PLACEMENT_STRATEGIES:
+        if strategy not in EP_PLACEMENT_STRATEGIES:
             raise ValueError(f"--ep-placement-strategy must be one of "
-                             f"{', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+                             f"{', '.join(EP_PLACEMENT_STRATEGIES)}, got {strategy!r}")
         import ray
         self.resources = resources or RoleResources()
         self.strategy = strategy
@@ -162,11 +165,7 @@ class RayRankPlacement:
         if not bundle:
             raise ValueError("--ep-rank-resources: a rank must ask for some resource "
                              "(Ray placement-group bundles cannot be empty)")
-        per_node = [bundles_that_fit(bundle, n.get("Resources", {}))
-                    for n in ray.nodes() if n.get("Alive")]
-        room = {"STRICT_PACK": max(per_node, default=0),
-                "STRICT_SPREAD": sum(1 for n in per_node if n > 0)}.get(self.strategy,
-                                                                          sum(per_node))
+        room = group_room(bundle, ray.nodes(), self.strategy)
         if room < size:
             raise ValueError(f"a group of {size} ranks asking for {bundle} each cannot be placed "
                              f"{self.strategy} on this Ray cluster (room for {room}); cluster "
@@ -312,10 +311,10 @@ def dp_client_from_args(args, engine_config, ep_config, **client_kwargs) -> Data
         from deepinfer.cluster.launcher import CLUSTER_KINDS_HELP
         raise ValueError(f"unknown --cluster {kind!r}: choose {CLUSTER_KINDS_HELP}")
     parsed = RoleResources.parse(resources, "--ep-rank-resources")
-    strategy = (strategy or DEFAULT_STRATEGY).upper()
-    if strategy not in PLACEMENT_STRATEGIES:
+    strategy = (strategy or DEFAULT_EP_STRATEGY).upper()
+    if strategy not in EP_PLACEMENT_STRATEGIES:
         raise ValueError(f"--ep-placement-strategy must be one of "
-                         f"{', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+                         f"{', '.join(EP_PLACEMENT_STRATEGIES)}, got {strategy!r}")
     try:
         import ray  # noqa: F401
     except ImportError:

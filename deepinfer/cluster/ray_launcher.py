@@ -36,6 +36,16 @@ RESOURCES_HELP = ("JSON object of Ray resources per worker of this role: num_cpu
                   "memory (bytes) and custom resources, e.g. "
                   "'{\"num_gpus\": 1, \"prefill_node\": 1}'")
 _STANDARD = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+# EP groups on Ray (ray_ep_group.py): one placement group per group, one bundle per rank.
+EP_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DEFAULT_EP_STRATEGY = "STRICT_PACK"
+EP_RESOURCES_HELP = ("--cluster ray: JSON object of Ray resources per rank of a data/expert-"
+                     "parallel group (one placement-group bundle each), e.g. "
+                     "'{\"num_gpus\": 1, \"decode_node\": 1}' (default: 1 CPU, and 1 GPU when "
+                     "the cluster has GPUs)")
+EP_STRATEGY_HELP = ("--cluster ray: how a group's ranks spread over nodes: STRICT_PACK (one "
+                    "node, e.g. its NVLink; default), PACK (as few nodes as fit), SPREAD, "
+                    "STRICT_SPREAD (multi-node groups talk over the network)")
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,27 @@ def test_serve_refuses_an_unplaceable_role_with_one_line(ray_cluster, capsys):
     assert ray.is_initialized()  # the test's Ray: serve's launcher did not own it
 
 
+def test_serve_refuses_an_ep_group_ray_cannot_place_with_one_line(ray_cluster, tmp_path,
+                                                                  default_model_source, capsys):
+    """Two ranks of 2 `ep_node` each fit the cluster (PACK over nodes would not help: only one
+    node has ep_node) but not STRICT_PACK on one node: refused before any rank starts."""
+    from deepinfer.cli.main import main
+    from tests.integration.expert_parallel_harness import write_checkpoint
+    directory = write_checkpoint("qwen3_moe", tmp_path, seed=1,
+                                 tokenizer=default_model_source.load_tokenizer())
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["serve", "--model", directory, "--port", str(port), "--cluster", "ray",
+                 "--data-parallel-size", "2", "--enable-expert-parallel",
+                 "--ep-rank-resources", '{"num_cpus": 0.5, "ep_node": 2}'])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "a group of 2 ranks" in err and "STRICT_PACK" in err and "room for 1" in err, err
+    assert ray.is_initialized()  # the test's Ray: serve's placement did not own it
+
+
 def test_p2_d2_on_ray_equals_colocated_and_follows_role_resources(ray_cluster, engine_base_llm):
     harness = make_harness(2, 2)
     try:
@@ -369,34 +390,43 @@ async def _ep_outcome(group, prompt, rank):
 # --- Ray Client (ray://) ---------------------------------------------------------------------
 
 
-def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster,
-                                                                     engine_base_llm):
+def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster, tmp_path,
+                                                                     default_model_source):
     """`deepinfer serve --cluster ray://127.0.0.1:PORT` (the head's Ray Client server): the
     front runs in its own process, connected only through Ray Client; its workers land on the
-    role nodes and greedy outputs over HTTP equal the colocated engine."""
+    role nodes and greedy outputs over HTTP equal the colocated engine (a tiny Llama)."""
     import httpx
 
+    from deepinfer import LLM
     from tests.integration.serve_process import ServeProcess
+    from tests.integration.tiny_models import prompts as tiny_prompts
+    from tests.integration.tiny_models import tiny_hf_model
 
+    tiny_hf_model("llama", seed=5).save_pretrained(tmp_path)
+    default_model_source.load_tokenizer().save_pretrained(tmp_path)
+    engine = ("--model", str(tmp_path), "--dtype", "float32", "--threads", "1",
+              "--num-kv-blocks", "64", "--seed", "0")
     server = ServeProcess(
-        "--dtype", "float32", "--threads", "1", "--num-kv-blocks", "256",
-        "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+        *engine, "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
         "--cluster", ray_cluster["ray_client"],
         "--prefill-resources", '{"num_cpus": 0.5, "prefill_node": 1}',
         "--decode-resources", '{"num_cpus": 0.5, "decode_node": 1}')
     try:
+        prompts = tiny_prompts(seed=3)
+        llm = LLM(model=str(tmp_path), dtype="float32", num_threads=1, num_kv_blocks=64, seed=0)
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
         server.wait_ready(timeout_s=READY_DEADLINE_S)
         workers = httpx.get(f"{server.url}/admin/workers", timeout=30).json()["workers"]
         nodes = {w["worker_id"]: w["placement"]["node_id"] for w in workers}
         assert nodes == {"prefill-0": ray_cluster["prefill"], "decode-0": ray_cluster["decode"]}
-        encode = engine_base_llm.get_tokenizer().encode
-        prompts = {f"client-{i}": encode(_corpus_from(i))[:16 + 5 * i] for i in range(3)}
-        want = reference(engine_base_llm, prompts)
-        for rid, ids in prompts.items():
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for ids, tokens in zip(prompts, want):
             body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-                "model": "x", "prompt": ids, "max_tokens": GREEDY.max_tokens,
+                "model": model, "prompt": ids, "max_tokens": GREEDY.max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
-            assert body["choices"][0]["token_ids"] == want[rid], (rid, body)
+            assert "choices" in body, body
+            assert body["choices"][0]["token_ids"] == list(tokens), (ids, body)
     finally:
         log = server.output()
         code = server.stop()
