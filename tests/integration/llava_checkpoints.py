@@ -103,7 +103,7 @@ def hf_greedy(model, input_ids: list[int], pixel_values, max_new_tokens: int) ->
 
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([input_ids]),
-                             pixel_values=None if pixel_values is None else torch.as_tensor(pixel_values),
+                             pixel_values=None if pixel_values is None else torch.tensor(np.asarray(pixel_values)),
                              attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
