@@ -1,0 +1,108 @@
+"""The C small-batch bf16 linear (decode batches of 1..2 rows) against F.linear and oneDNN."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.runtime import cpu_kernel_build, cpu_small_batch_linear
+from deepinfer.runtime.cpu_linear_packing import SMALL_BATCH_ROWS, pack_linear_weights
+from deepinfer.runtime.cpu_small_batch_linear import (MAX_ROWS, SmallBatchLinear,
+                                                      load_small_batch_linear)
+
+
+def _kernel() -> SmallBatchLinear:
+    lib = cpu_kernel_build.load_kernel_library("small_batch_linear")
+    assert lib is not None, "the C compiler is part of the supported setup; the build failed"
+    return SmallBatchLinear(lib)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, MAX_ROWS])
+def test_kernel_matches_float32_linear(rows):
+    kernel = _kernel()
+    for out_features, in_features in [(1, 5), (7, 31), (130, 33), (3072, 576), (576, 1536)]:
+        _check(kernel, rows, out_features, in_features)
+
+
+def _check(kernel, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    for b in (None, bias):
+        got = kernel(x, weight, b)
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        # one bf16 rounding of a float32 sum (summation order differs)
+        assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (got.float() - want).abs().max()
+
+
+def test_too_many_rows_is_an_error_not_a_wrong_answer():
+    kernel = _kernel()
+    with pytest.raises(RuntimeError, match="code 1"):
+        kernel(torch.zeros(MAX_ROWS + 1, 8, dtype=torch.bfloat16),
+               torch.zeros(4, 8, dtype=torch.bfloat16), None)
+
+
+def _layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 960, bias=True), nn.Linear(960, 1536, bias=False)).bfloat16()
+    return model.requires_grad_(False)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_linear_small_batches_use_the_kernel_and_agree_with_onednn(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_SMALL_BATCH_LINEAR", "1")
+    load_small_batch_linear.cache_clear()
+    model = _layers()
+    plain = _layers()
+    assert pack_linear_weights(model) == 2
+    assert all(layer.small_batch is not None for layer in model)
+    calls = []
+    real = SmallBatchLinear.__call__
+    monkeypatch.setattr(SmallBatchLinear, "__call__",
+                        lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    with torch.inference_mode():
+        for rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 64):
+            x = torch.randn(rows, 576).bfloat16()
+            got, want = model(x), plain(x)
+            assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), rows
+    assert calls == [1, 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS]  # two layers each; wider -> oneDNN
+    load_small_batch_linear.cache_clear()
+
+
+def test_switch_off_keeps_onednn(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_SMALL_BATCH_LINEAR", "0")
+    load_small_batch_linear.cache_clear()
+    try:
+        assert load_small_batch_linear() is None
+        model = _layers()
+        if pack_linear_weights(model):
+            assert all(layer.small_batch is None for layer in model)
+    finally:
+        load_small_batch_linear.cache_clear()
+
+
+def test_wrong_kernel_build_is_not_used(tmp_path, monkeypatch):
+    """A miscompiled tail (the last partial vector dropped) fails the load-time self-test."""
+    sources = tmp_path / "kernels"
+    shutil.copytree(cpu_kernel_build.KERNEL_DIR, sources)
+    path = sources / "small_batch_linear.c"
+    text = path.read_text()
+    old = "for (; k < K; k += 32) {"
+    assert old in text or "s += bf16_to_f32(wr[k])" in text
+    text = text.replace(old, "for (; k < K - 32; k += 32) {")  # AVX512-BF16 build
+    text = text.replace("for (int k = 0; k < K; k++) s +=", "for (int k = 0; k < K - 1; k++) s +=")
+    path.write_text(text)
+    monkeypatch.setattr(cpu_kernel_build, "KERNEL_DIR", sources)
+    monkeypatch.setattr(cpu_kernel_build, "_VERDICTS", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("DEEPINFER_SMALL_BATCH_LINEAR", "1")
+    load_small_batch_linear.cache_clear()
+    try:
+        assert cpu_small_batch_linear.load_small_batch_linear() is None
+    finally:
+        load_small_batch_linear.cache_clear()
