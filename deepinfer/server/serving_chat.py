@@ -124,7 +124,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest):
         """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
         mm_inputs = None
-        if has_image_parts(request.messages):
+        if self.mm_processor is not None or has_image_parts(request.messages):
+            # A vision-language checkpoint's chat template lives with its processor.
             self.check_model(request.model)
             prompt, mm_inputs = await self._process_images(request)
             prompt, params, admission = self._prepare(request, prompt)
