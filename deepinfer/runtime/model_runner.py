@@ -72,6 +72,11 @@ class ModelRunner:
         if getattr(self.cache.spec, "is_latent", False):
             from deepinfer.runtime.mla_attention import PagedMLAAttention
             return PagedMLAAttention(self.cache, meta)
+        if self.device.type == "cuda":  # FlashInfer or mask-free SDPA (runtime/cuda_attention.py)
+            if getattr(self, "cuda_attention", None) is None:
+                from deepinfer.runtime.cuda_attention import CudaAttentionBuilder
+                self.cuda_attention = CudaAttentionBuilder(self.cache, self.num_heads)
+            return self.cuda_attention.build(meta)
         return PagedAttention(self.cache, meta, self.num_heads, self.decode_kernel)
 
     def _prepare(self, ordered: list[ScheduledRequest]):
