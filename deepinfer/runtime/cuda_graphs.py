@@ -104,6 +104,20 @@ class CudaGraphDecodeRunner:
             return self.outputs[size][:num]
         return self._forward(size)[:num]
 
+    def can_run(self, meta) -> bool:
+        """Whether a step with the runner's AttentionMetadata fits: decodes only, within the
+        largest bucket and the captured block-table width."""
+        d = meta.decode
+        if meta.prefills or d is None or self.bucket(d.num_tokens) is None:
+            return False
+        return d.block_ids.numel() // d.num_tokens <= self.max_blocks_per_seq
+
+    def run_step(self, input_ids: Tensor, positions: Tensor, meta) -> Tensor:
+        """`run` from the runner's own step tensors (the hook for ModelRunner.execute)."""
+        step = CudaStepMetadata.from_attention_metadata(meta)
+        return self.run(input_ids, positions, step.slot_mapping, step.decode.block_table,
+                        step.decode.context_lens)
+
     def _forward(self, size: int) -> Tensor:
         meta = CudaStepMetadata(self.slot_mapping[:size],
                                 CudaDecodeBatch(size, self.block_table[:size],

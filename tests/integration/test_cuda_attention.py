@@ -129,6 +129,17 @@ def _check_graph_runner(device, capture: bool) -> None:
         assert (cache.kv - plain_cache.kv).abs().max().item() < 1e-5, num
     with pytest.raises(ValueError, match="exceeds the captured"):
         runner.run(*_decode_batch(device, 9))
+    # From the runner's own metadata: decode-only steps that fit go through the graphs.
+    mixed = _plain_metadata(device)
+    assert not runner.can_run(mixed)  # has prefill chunks
+    ids, pos, slots, table, lens = _decode_batch(device, 2, seed=5)
+    width = table.shape[1]
+    mask = torch.arange(width * BS, device=device)[None] < lens[:, None]
+    meta = AttentionMetadata(slots, DecodeMetadata(2, table.reshape(-1), mask[:, None, None, :],
+                                                   lens), [])
+    assert runner.can_run(meta)
+    expected = _plain_decode(model, plain_cache, ids, pos, slots, table, lens)
+    assert (runner.run_step(ids, pos, meta) - expected).abs().max().item() < 1e-4
 
 
 def test_static_decode_path_equals_plain_decode_with_padding_buckets():
