@@ -1,101 +1,159 @@
-"""E/P/D: one encode, one prefill and one decode worker process (tiny CLIP LLaVA) give the same
-greedy tokens as colocated serving; the same image sent again is an encode-cache hit and its
-image tokens are cached prompt tokens; a different image of the same size shares no block;
-an image the encode worker cannot encode fails only its request (a ValueError: 400)."""
+"""E/P/D through `deepinfer serve --encode-workers 1 --prefill-workers 1 --decode-workers 1`
+(tiny CLIP LLaVA, official openai client, data URLs): greedy tokens equal colocated serving's;
+the same image sent again is an encode-cache hit (deepinfer:encode_cache_hits) and its image
+tokens are cached prompt tokens; a different image of the same size shares no block; every
+bad-image case gets a 400 with a message and a good request succeeds afterwards, on the E/P/D
+server and on a colocated one."""
 from __future__ import annotations
 
-import asyncio
+import base64
+import io
 
+import openai
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.engine.engine_config import EngineConfig
-from deepinfer.multimodal.mm_inputs import MultiModalInputs, PixelArray
-from tests.integration.disagg_harness import ClusterHarness
 from tests.integration.llava_checkpoints import synthetic_image
+from tests.integration.serve_process import ServeProcess
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 BLOCK_SIZE = 16
+SERVER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE),
+               "--threads", "1", "--seed", "0", "--limit-mm-per-prompt", '{"image": 2}',
+               "--max-image-pixels", "10000")
 
 
-def chat(*images, text="Describe."):
-    parts = [{"type": "image", "image": image} for image in images]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+def data_url(image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_parts(*urls: str, text: str = "Describe.") -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+
+
+def chat(client: openai.OpenAI, content) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def token_ids(response) -> list[int]:
+    choice = response.choices[0]
+    ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+    assert ids, f"the server returned no token ids: {choice}"
+    return list(ids)
+
+
+def cached_tokens(response) -> int:
+    details = response.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def start(model_dir: str, *extra: str) -> ServeProcess:
+    server = ServeProcess("--model", model_dir, *SERVER_ARGS, *extra)
+    try:
+        server.wait_ready(300)
+    except Exception:
+        server.stop()
+        raise
+    return server
 
 
 @pytest.fixture(scope="module")
-def epd(llava_checkpoints, tmp_path_factory):
+def servers(llava_checkpoints, tmp_path_factory):
+    """{"epd": E1/P1/D1 server, "colocated": one engine process}, started together."""
     directory = llava_checkpoints["clip"]
-    engine = EngineConfig(model=directory, dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE,
-                          num_threads=1, seed=0)
     store = tmp_path_factory.mktemp("epd-store")
-    cluster = ClusterConfig(num_prefill_workers=1, num_decode_workers=1, num_encode_workers=1,
-                            kv_store_url=f"fs://{store}", stall_timeout_s=60.0)
-    harness = ClusterHarness(cluster, engine)
-    colocated = LLM(model=directory, dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE, seed=0)
-    yield harness, colocated
-    harness.close()
+    epd = ServeProcess("--model", directory, *SERVER_ARGS, "--encode-workers", "1", "--prefill-workers", "1",
+                       "--decode-workers", "1", "--kv-store", f"fs://{store}")
+    colocated = ServeProcess("--model", directory, *SERVER_ARGS)
+    try:
+        epd.wait_ready(300)
+        colocated.wait_ready(300)
+        yield {"epd": epd, "colocated": colocated, "model_dir": directory}
+    finally:
+        epd.stop()
+        colocated.stop()
 
 
-async def _generate(client, request_id, prompt_ids, mm_inputs) -> dict:
-    tokens, cached = [], 0
-    async for delta in client.generate(request_id, prompt_ids, GREEDY, mm_inputs=mm_inputs):
-        tokens += delta.choices[0].token_ids
-        cached = max(cached, delta.num_cached_tokens)
-    return {"tokens": tokens, "cached": cached}
+def client_for(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
-def run_chat(harness, processor, request_id, conversation) -> dict:
-    prompt_ids, mm_inputs = processor.process_chat(conversation)
-    result = harness.run(_generate(harness.client, request_id, prompt_ids, mm_inputs), timeout=120)
-    return {**result, "prompt_ids": prompt_ids, "image": mm_inputs.placeholders[0]}
+def encode_metric(server: ServeProcess, name: str, label: str = "") -> float:
+    import httpx
+    total = 0.0
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"deepinfer:encode_{name}") and label in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
-def test_epd_matches_colocated_and_reuses_cached_images(epd):
-    harness, colocated = epd
-    processor = colocated._processor()
+def test_epd_matches_colocated_and_reuses_cached_images(servers):
+    epd, colocated = client_for(servers["epd"]), client_for(servers["colocated"])
     a, b, c = synthetic_image(20), synthetic_image(21), synthetic_image(22, (50, 30))
-    conversations = {"one": chat(a), "two": chat(b, c, text="Compare.")}
-    expected = colocated.chat(list(conversations.values()), GREEDY, use_tqdm=False)
-    for (rid, conv), ref in zip(conversations.items(), expected):
-        got = run_chat(harness, processor, rid, conv)
-        assert got["prompt_ids"] == ref.prompt_token_ids
-        assert got["tokens"] == ref.outputs[0].token_ids, rid
-    worker = harness.client.encode_stage.workers["encode-0"]
-    harness.wait_for(lambda: worker.counters.num_images_encoded == 3, what="encode counters")
-    assert worker.counters.local_hits == 0
+    for content in (image_parts(data_url(a)),
+                    image_parts(data_url(b), data_url(c, "JPEG"), text="Compare.")):
+        assert token_ids(chat(epd, content)) == token_ids(chat(colocated, content))
+    assert encode_metric(servers["epd"], "images_encoded_total") == 3
+    assert encode_metric(servers["epd"], "cache_hits_total", 'tier="local"') == 0
 
-    again = run_chat(harness, processor, "one-again", chat(a))
-    harness.wait_for(lambda: worker.counters.local_hits == 1, what="an encode-cache hit")
-    assert worker.counters.num_images_encoded == 3  # not encoded again
-    assert again["tokens"] == expected[0].outputs[0].token_ids
-    image = again["image"]
-    # Its image tokens are cached prompt tokens (every full block but the last token's).
-    assert again["cached"] == (len(again["prompt_ids"]) - 1) // BLOCK_SIZE * BLOCK_SIZE > image.offset
+    first = chat(epd, image_parts(data_url(a)))
+    assert encode_metric(servers["epd"], "cache_hits_total", 'tier="local"') == 1  # not encoded again
+    assert encode_metric(servers["epd"], "images_encoded_total") == 3
+    num_prompt = first.usage.prompt_tokens
+    # The image's tokens are cached prompt tokens: every full block but the last token's.
+    assert cached_tokens(first) == (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE >= BLOCK_SIZE
 
-    # A different image of the same size: equal token ids, but no block may be shared (the first
-    # block already overlaps the image), and the tokens are the colocated ones for that image.
-    d = synthetic_image(23)
-    other = run_chat(harness, processor, "other", chat(d))
-    assert other["prompt_ids"] == again["prompt_ids"] and image.offset < BLOCK_SIZE
-    assert other["cached"] == 0
-    ref_d, = colocated.chat([chat(d)], GREEDY, use_tqdm=False)
-    assert other["tokens"] == ref_d.outputs[0].token_ids
+    # A different image of the same size: equal prompt length, its first block already holds
+    # image tokens, so nothing is shared, and the tokens are colocated serving's for that image.
+    d = image_parts(data_url(synthetic_image(23)))
+    other = chat(epd, d)
+    assert other.usage.prompt_tokens == num_prompt and cached_tokens(other) == 0
+    assert token_ids(other) == token_ids(chat(colocated, d))
 
 
-def test_image_the_encoder_rejects_fails_only_its_request(epd):
-    harness, colocated = epd
-    processor = colocated._processor()
-    prompt_ids, mm_inputs = processor.process_chat(chat(synthetic_image(30)))
-    wrong = PixelArray.from_numpy(mm_inputs.pixel_values[0].to_numpy()[:, :8, :8].copy())
-    bad = MultiModalInputs(mm_inputs.placeholders, [wrong])
-    with pytest.raises(ValueError, match="image encoding failed"):
-        harness.run(_generate(harness.client, "bad", prompt_ids, bad), timeout=120)
-    good = harness.run(_generate(harness.client, "good", prompt_ids, mm_inputs), timeout=120)
-    ref, = colocated.chat([chat(synthetic_image(30))], GREEDY, use_tqdm=False)
-    assert good["tokens"] == ref.outputs[0].token_ids
-    assert harness.client.is_healthy
+def test_offline_engine_agrees_with_the_epd_server(servers):
+    """The E/P/D tokens are also those of the offline engine (LLM.chat with PIL images)."""
+    image = synthetic_image(24)
+    llm = LLM(model=servers["model_dir"], dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE, seed=0)
+    ref, = llm.chat([[{"role": "user", "content": [{"type": "image", "image": image},
+                                                   {"type": "text", "text": "Describe."}]}]],
+                    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert token_ids(chat(client_for(servers["epd"]), image_parts(data_url(image)))) == ref.outputs[0].token_ids
+
+
+def _bad_cases():
+    good = data_url(synthetic_image(5))
+    big = io.BytesIO()
+    synthetic_image(6, (200, 100)).save(big, format="PNG")  # 20000 pixels > --max-image-pixels
+    gif = io.BytesIO()
+    synthetic_image(7).save(gif, format="GIF")
+    return {
+        "corrupt base64": ("data:image/png;base64,@@not-base64@@", "not valid base64"),
+        "not an image": ("data:image/png;base64," + base64.b64encode(b"plain text").decode(),
+                         "not a PNG, JPEG or WebP"),
+        "too many pixels": ("data:image/png;base64," + base64.b64encode(big.getvalue()).decode(),
+                            "too many pixels"),
+        "unsupported format": ("data:image/png;base64," + base64.b64encode(gif.getvalue()).decode(),
+                               "Unsupported image format GIF"),
+        "remote url": ("https://example.com/cat.png", "Remote image URLs are refused"),
+        "local file": ("file:///etc/hostname", "--allowed-local-media-path"),
+        "too many images": ([good, good, good], "At most 2 image"),
+    }
+
+
+@pytest.mark.parametrize("mode", ["epd", "colocated"])
+def test_bad_images_get_400_then_a_good_request_succeeds(servers, mode):
+    client = client_for(servers[mode])
+    for name, (url, words) in _bad_cases().items():
+        urls = url if isinstance(url, list) else [url]
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, image_parts(*urls))
+        assert words in str(info.value), (name, str(info.value))
+    good = chat(client, image_parts(data_url(synthetic_image(8))))
+    assert good.choices[0].finish_reason == "length" and len(token_ids(good)) == MAX_TOKENS
