@@ -86,3 +86,21 @@ class EncodeCollector:
         lost = CounterMetricFamily(PREFIX + "workers_lost", "Encode workers lost (process exited or failed).")
         lost.add_metric([], self.stage.num_lost)
         yield lost
+
+
+def engine_encode_metrics(stats):
+    """The colocated engine's vision tower under the same names (worker_id "engine"); only its
+    own LRU tier exists there."""
+    labels, values = ["worker_id"], ["engine"]
+    lookups = stats.embedding_cache_hits + stats.embedding_cache_misses
+    for name, doc, value in (
+            ("images", "Image embedding lookups.", lookups),
+            ("images_encoded", "Images run through the vision tower.", stats.num_images_encoded),
+            ("cache_misses", "Images not in any embedding cache tier.", stats.embedding_cache_misses)):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        family.add_metric(values, value)
+        yield family
+    hits = CounterMetricFamily(PREFIX + "cache_hits", "Images whose embeddings were cached, by tier.",
+                               labels=["worker_id", "tier"])
+    hits.add_metric(["engine", "local"], stats.embedding_cache_hits)
+    yield hits

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # tensors pass through; this module needs no torch of its own
+    import torch
 
 LOCAL_TIER = "local"
 STORE_TIER = "store"
@@ -103,3 +104,13 @@ class EmbeddingCache:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+def embedding_stats(engine) -> dict:
+    """An engine's image counters for its stats snapshot ({} without a vision tower)."""
+    cache = getattr(engine, "embedding_cache", None)
+    if cache is None:
+        return {}
+    images = getattr(engine, "mm_images", None)
+    return {"embedding_cache_hits": cache.hits, "embedding_cache_misses": cache.misses,
+            "num_images_encoded": getattr(images, "num_images_encoded", 0)}

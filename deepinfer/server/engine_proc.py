@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from deepinfer.multimodal.embedding_cache import embedding_stats
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, ChoiceDelta, EngineDead, EngineOutputs, EngineReady,
     EngineStatsSnapshot, RequestDelta, RequestError, RequestTimes, Shutdown, make_encoder,
@@ -127,7 +128,8 @@ def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
         spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=list(s.spec_decode_num_accepted_tokens_per_pos),
         num_failed_steps=getattr(engine, "num_failed_steps", 0),
-        num_failed_requests=getattr(engine, "num_failed_requests", 0))
+        num_failed_requests=getattr(engine, "num_failed_requests", 0),
+        **embedding_stats(engine))
 
 
 class EngineLoop:

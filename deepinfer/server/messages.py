@@ -120,6 +120,10 @@ class EngineStatsSnapshot(msgspec.Struct):
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
     num_failed_steps: int = 0  # engine steps that raised (isolated, the engine kept serving)
     num_failed_requests: int = 0  # requests failed because of them
+    # Vision-language engines (colocated): image embedding lookups and tower runs; None: no tower.
+    embedding_cache_hits: int | None = None
+    embedding_cache_misses: int = 0
+    num_images_encoded: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

@@ -75,6 +75,9 @@ class EngineStatsCollector:
         for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric([self.model_name, str(position)], value)
         yield per_pos
+        if s.embedding_cache_hits is not None:  # colocated vision tower: deepinfer:encode_*
+            from deepinfer.cluster.encode_metrics import engine_encode_metrics
+            yield from engine_encode_metrics(s)
 
 
 class EngineRestartsCollector:
