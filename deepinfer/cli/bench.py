@@ -11,7 +11,8 @@ _KINDS = ("deepinfer.bench.offline", "deepinfer.bench.serve_cli")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline engine throughput, serving load")
+    p = sub.add_parser("bench", help="benchmarks: offline engine throughput (--profile: "
+                                     "op traces), serving load")
     kinds = p.add_subparsers(dest="bench_kind", required=True, parser_class=type(p))
     for module in _KINDS:
         if importlib.util.find_spec(module) is not None:
