@@ -45,6 +45,21 @@ _COUNTERS = (
 )
 
 
+def spec_decode_totals(counters) -> dict:
+    """The decode workers' speculative-decoding counters summed (per position too): the
+    `EngineStatsSnapshot` fields behind the front's spec_decode_* metrics in P/D mode."""
+    per_pos: list[int] = []
+    for c in counters:
+        for i, n in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+            if i == len(per_pos):
+                per_pos.append(0)
+            per_pos[i] += n
+    return {name: sum(getattr(c, name) for c in counters)
+            for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                         "spec_decode_num_accepted_tokens")} | {
+        "spec_decode_num_accepted_tokens_per_pos": per_pos}
+
+
 class ClusterCollector:
     def __init__(self, client) -> None:
         self.client = client

@@ -135,6 +135,14 @@ class DecodeWorkerLoop(WorkerLoop):
             self.engine.abort_request([request_id])
         self.emit_error(request_id, message)
 
+    def update_counters(self) -> None:
+        s = self.engine.scheduler.spec_stats  # speculation runs on decode workers only
+        c = self.counters
+        c.spec_decode_num_drafts = s.num_drafts
+        c.spec_decode_num_draft_tokens = s.num_draft_tokens
+        c.spec_decode_num_accepted_tokens = s.num_accepted_tokens
+        c.spec_decode_num_accepted_tokens_per_pos = list(s.num_accepted_tokens_per_pos)
+
     def extra_load(self) -> tuple[int, int, int]:
         kv_tokens = sum(len(e.message.prompt_token_ids) for e in self._incoming.values())
         return len(self._incoming), kv_tokens, 0

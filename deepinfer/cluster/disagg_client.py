@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.cluster.cluster_config import ClusterConfig
+from deepinfer.cluster.cluster_metrics import spec_decode_totals
 from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequest,
                                         PrefillDone, PrefillRequest, ShutdownWorker, WorkerFailed,
                                         WorkerHeartbeat,
@@ -271,7 +272,9 @@ class DisaggClient:
             kv_cache_usage=used / total if total else 0.0, num_kv_blocks_used=used,
             num_kv_blocks_total=total,
             prefix_cache_queries=sum(c.prefix_query_tokens for c in counters),
-            prefix_cache_hits=sum(c.device_hit_tokens + c.store_hit_tokens for c in counters))
+            prefix_cache_hits=sum(c.device_hit_tokens + c.store_hit_tokens + c.host_hit_tokens
+                                  for c in counters),
+            **spec_decode_totals(counters))
 
     # --- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -140,6 +140,11 @@ class WorkerCounters(msgspec.Struct):
     transfer_seconds_total: float = 0.0
     num_staged: int = 0  # prefill: KV payloads waiting to be pulled (gauge)
     staged_bytes: int = 0  # gauge
+    # decode: speculative decoding (summed over workers into the front's spec_decode_* metrics)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class WorkerReport(msgspec.Struct, tag=True):
