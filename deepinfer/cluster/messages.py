@@ -118,6 +118,7 @@ class WorkerLoadReport(msgspec.Struct):
     kv_staged_bytes: int = 0  # prefill: staged + promised to admitted prompts
     kv_staging_capacity_bytes: int = 0  # prefill: the cap (0: none reported)
     store_load_s_per_token: float | None = None  # prefill: measured shared-store read rate
+    compute_s_per_token: float | None = None  # prefill: measured prefill compute rate
 
 
 class WorkerCounters(msgspec.Struct):

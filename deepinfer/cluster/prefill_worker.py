@@ -301,6 +301,9 @@ class PrefillWorkerLoop(WorkerLoop):
     def store_load_rate(self) -> float | None:
         return self.store_rate.s_per_unit if self.store_rate.num_samples else None
 
+    def compute_load_rate(self) -> float | None:
+        return self.compute_rate.s_per_unit if self.compute_rate.num_samples else None
+
     def _hand_off(self, output, delta, entry: _Prefilling) -> None:
         request_id = output.request_id
         block_ids = self.engine.scheduler.kv.block_ids(request_id)

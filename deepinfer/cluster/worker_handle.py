@@ -45,4 +45,5 @@ class WorkerHandle:
             kv_tokens=report.kv_tokens, max_running_reqs=report.max_running_reqs,
             healthy=self.alive, kv_staged_bytes=report.kv_staged_bytes,
             kv_staging_capacity_bytes=report.kv_staging_capacity_bytes or None,
-            store_load_s_per_token=report.store_load_s_per_token)
+            store_load_s_per_token=report.store_load_s_per_token,
+            compute_s_per_token=report.compute_s_per_token)

@@ -82,6 +82,10 @@ class WorkerLoop:
         """A prefill worker's measured seconds to load one token's KV from the store."""
         return None
 
+    def compute_load_rate(self) -> float | None:
+        """A prefill worker's measured prefill seconds per computed token."""
+        return None
+
     # --- loop --------------------------------------------------------------------------------
     def run(self) -> None:
         while True:
@@ -153,7 +157,8 @@ class WorkerLoop:
             kv_tokens=sum(r.num_tokens for r in sched.running) + extra_kv_tokens,
             max_running_reqs=sched.config.max_num_seqs, kv_staged_bytes=staged_bytes,
             kv_staging_capacity_bytes=staging_capacity,
-            store_load_s_per_token=self.store_load_rate())
+            store_load_s_per_token=self.store_load_rate(),
+            compute_s_per_token=self.compute_load_rate())
 
     def send_report(self) -> None:
         self.update_counters()

@@ -87,9 +87,16 @@ class LeastComputePrefillRouter(PrefillRouter):
     is what keeps an idle worker from recomputing a prefix that another finishes about as
     soon. Ties go to less own compute, then to the worker holding fewer requests, then to the
     one routed to least recently (idle workers share the work instead of the first taking it).
+
+    Calibration: a worker that reports its measured prefill rate (`compute_s_per_token`) has
+    every compute cost scaled by it over the cost model's own rate (`_speed`), so queues, own
+    compute and measured store loads are all in that worker's seconds. Without it a slow or
+    loaded machine's queues look short next to its real store loads, and a worker holding a
+    prefix on device keeps winning requests it cannot serve soon.
     """
 
     name = "least-compute"
+    CALIBRATION_TOKENS = 256  # the prompt size at which the cost model's rate is read
 
     def __init__(self, prefill_cost: PrefillCostFn | None = None, report_lag_s: float = 0.0,
                  track_prefixes: bool = True, await_slack_s: float = 1.0) -> None:
@@ -108,9 +115,19 @@ class LeastComputePrefillRouter(PrefillRouter):
             return choice[2].own_cost_s  # the chosen worker's: what it reuses there
         return self._hinted_cost_s(request)
 
-    def _hinted_cost_s(self, request: RoutingRequest) -> float:
+    def _hinted_cost_s(self, request: RoutingRequest, speed: float = 1.0) -> float:
         """Cost with only the request's own hint of cached tokens (no prefix knowledge)."""
-        return float(self.prefill_cost(request.num_uncached_tokens, request.num_cached_tokens))
+        return speed * float(self.prefill_cost(request.num_uncached_tokens,
+                                               request.num_cached_tokens))
+
+    def _speed(self, load: WorkerLoad) -> float:
+        """The worker's measured prefill seconds per token over the cost model's (1: not
+        reported)."""
+        if not load.compute_s_per_token:
+            return 1.0
+        n = self.CALIBRATION_TOKENS
+        model_s_per_token = float(self.prefill_cost(n, 0)) / n
+        return load.compute_s_per_token / model_s_per_token if model_s_per_token > 0 else 1.0
 
     def reported_queue_time_s(self, load: WorkerLoad) -> float:
         if load.predicted_queue_time_s is not None:
@@ -119,7 +136,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         if tokens == 0:
             return 0.0
         num_reqs = max(1, load.num_waiting_reqs)
-        return num_reqs * float(self.prefill_cost(-(-tokens // num_reqs), 0))
+        return num_reqs * float(self.prefill_cost(-(-tokens // num_reqs), 0)) * self._speed(load)
 
     def predicted_queue_time_s(self, load: WorkerLoad) -> float:
         """Time until `load.worker_id` could start a new request, reservations included."""
@@ -147,7 +164,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         queue_s = self.predicted_queue_time_s(ld)
         if match is None or not (match.num_stored_blocks or match.device_blocks
                                  or match.in_flight):
-            own = self._hinted_cost_s(request)
+            own = self._hinted_cost_s(request, self._speed(ld))
             return [PrefixPlan(ld.worker_id, queue_s + own, own)]
         bs = ld.block_size
         usable = (request.num_prompt_tokens - 1) // bs
@@ -174,9 +191,10 @@ class LeastComputePrefillRouter(PrefillRouter):
                    num_store: int) -> StoreLoadPlan:
         bs = ld.block_size
         rate = ld.store_load_s_per_token or 0.0  # unknown: the cost fn's cached-token charge
+        speed = self._speed(ld)
         return plan_store_load(request.num_prompt_tokens, num_local * bs, num_store, bs,
                                lambda k: k * bs * rate,
-                               lambda new, ctx: float(self.prefill_cost(new, ctx)))
+                               lambda new, ctx: speed * float(self.prefill_cost(new, ctx)))
 
     def on_routed(self, request: RoutingRequest, worker_id: str, now: float) -> None:
         choice = self._choice

@@ -23,6 +23,8 @@ class WorkerLoad:
     full holds new prompts back, so the prefill router sends them elsewhere when it can.
     `store_load_s_per_token`: a prefill worker's measured time to load one token's KV from
     the shared store (None: not measured), for the router's load-or-recompute choice.
+    `compute_s_per_token`: its measured prefill seconds per computed token (None: not
+    measured), which calibrates the router's prefill cost model to this worker's speed.
     """
 
     worker_id: str
@@ -41,6 +43,7 @@ class WorkerLoad:
     kv_staged_bytes: int = 0
     kv_staging_capacity_bytes: int | None = None
     store_load_s_per_token: float | None = None
+    compute_s_per_token: float | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -59,6 +62,8 @@ class WorkerLoad:
             raise ValueError("predicted_queue_time_s must be >= 0 or None")
         if self.store_load_s_per_token is not None and self.store_load_s_per_token < 0:
             raise ValueError("store_load_s_per_token must be >= 0 or None")
+        if self.compute_s_per_token is not None and self.compute_s_per_token < 0:
+            raise ValueError("compute_s_per_token must be >= 0 or None")
         if self.kv_staging_capacity_bytes is not None and self.kv_staging_capacity_bytes < 1:
             raise ValueError("kv_staging_capacity_bytes must be >= 1 or None")
 
