@@ -220,7 +220,27 @@ def load_image_encoder(config: EngineConfig):
     if not callable(getattr(model, "encode_images", None)):
         raise ValueError(f"{source.name} has no vision tower: encode workers need a "
                          f"vision-language model (e.g. LLaVA)")
-    return model, device, dtype, source
+    return VisionOnly.of(model), device, dtype, source
+
+
+class VisionOnly:
+    """The vision tower and projector of a LLaVA-style model, without its language model
+    (dropped once loaded: an encode worker never runs it). `encode_images` is the model's own."""
+
+    PARTS = ("vision_config", "vision_tower", "multi_modal_projector")
+
+    def __init__(self, model) -> None:
+        for name in self.PARTS:
+            setattr(self, name, getattr(model, name))
+        self._encode = type(model).encode_images
+
+    @classmethod
+    def of(cls, model):
+        """`model` itself when it has no such parts (another architecture's encoder)."""
+        return cls(model) if all(hasattr(model, n) for n in cls.PARTS) else model
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self._encode(self, pixel_values)  # [N, tokens, hidden]
 
 
 class EncodeWorkerLoop:

@@ -114,3 +114,29 @@ def test_abort_and_malformed_requests():
     assert not worker.has_work
     bad = worker.submit(EncodeImages("x", ["h1", "h2"], [pixels(1.0)]))
     assert bad is not None and "2 image hashes and 1 pixel arrays" in bad.error
+
+
+def test_vision_only_keeps_the_tower_and_drops_the_language_model():
+    import torch.nn as nn
+
+    from deepinfer.cluster.encode_worker import VisionOnly
+
+    class Llava(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_config = "cfg"
+            self.vision_tower = nn.Linear(2, 3)
+            self.multi_modal_projector = nn.Linear(3, 4)
+            self.lm_head = nn.Linear(4, 1000)
+
+        def encode_images(self, pixel_values):
+            assert self.vision_config == "cfg"
+            return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    model = Llava()
+    x = torch.randn(5, 2)
+    expected = model.encode_images(x)
+    vision = VisionOnly.of(model)
+    assert not hasattr(vision, "lm_head") and torch.equal(vision.encode_images(x), expected)
+    plain = FakeTower()
+    assert VisionOnly.of(plain) is plain
