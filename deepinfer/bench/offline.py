@@ -114,6 +114,8 @@ def _print_profile(trace) -> dict:
         print("profile: no step was recorded")
     for w in windows:
         print(format_top_ops(w))
+        if trace.on_cuda:
+            print(format_top_ops(w, by="self_device_us"))
     if windows:
         print("(timings above include the profiler's overhead)")
     return {w.name: {"trace": w.trace_path, "ops": w.ops_path, "num_steps": w.num_recorded,

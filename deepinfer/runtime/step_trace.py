@@ -125,17 +125,20 @@ def op_rows(prof: profile, on_cuda: bool) -> list[dict]:
     return rows
 
 
-def format_top_ops(window: TraceWindow, top: int = 15) -> str:
-    """A short table of the window's top ops by self CPU time (and device time on GPU)."""
+def format_top_ops(window: TraceWindow, top: int = 15, by: str = "self_cpu_us") -> str:
+    """A short table of the window's top ops by self CPU time (`by="self_device_us"`: by self
+    GPU time; the GPU column is shown when the window recorded CUDA activity)."""
     steps = max(window.num_recorded, 1)
     total = sum(r["self_cpu_us"] for r in window.ops) or 1.0
     device = any("self_device_us" in r for r in window.ops)
     head = f"{'op':<44} {'calls':>7} {'self CPU ms/step':>17} {'share':>6}"
     if device:
         head += f" {'self GPU ms/step':>17}"
+    order = "GPU" if by == "self_device_us" else "CPU"
     lines = [f"[{window.name}] {window.num_recorded} step(s), batch sizes {window.batch_sizes}, "
-             f"self CPU {total / 1000 / steps:.2f} ms/step -> {window.trace_path}", head]
-    for r in window.ops[:top]:
+             f"self CPU {total / 1000 / steps:.2f} ms/step, top ops by self {order} time "
+             f"-> {window.trace_path}", head]
+    for r in sorted(window.ops, key=lambda r: r.get(by, 0.0), reverse=True)[:top]:
         line = (f"{r['name'][:44]:<44} {r['count']:>7} {r['self_cpu_us'] / 1000 / steps:>17.3f}"
                 f" {100 * r['self_cpu_us'] / total:>5.1f}%")
         if device:

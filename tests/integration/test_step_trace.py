@@ -8,7 +8,7 @@ import pytest
 
 from deepinfer import SamplingParams
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from deepinfer.runtime.step_trace import StepTrace, format_top_ops, step_kind
+from deepinfer.runtime.step_trace import StepTrace, TraceWindow, format_top_ops, step_kind
 from tests.integration.test_cli import assert_one_line_error, run_cli
 
 
@@ -22,6 +22,16 @@ def test_step_kind_separates_prefill_decode_and_speculative_decode():
     assert step_kind(SchedulerOutput([_req(1), _req(1)], 2)) == "decode"
     assert step_kind(SchedulerOutput([_req(1), _req(7)], 8)) == "prefill"
     assert step_kind(SchedulerOutput([_req(5, num_draft=4)], 5)) == "decode"
+
+
+def test_top_ops_table_orders_by_cpu_or_gpu_time_per_step():
+    ops = [{"name": "aten::mm", "count": 4, "self_cpu_us": 1000.0, "self_device_us": 8000.0},
+           {"name": "aten::copy_", "count": 4, "self_cpu_us": 3000.0, "self_device_us": 10.0}]
+    w = TraceWindow("decode", 2, num_recorded=2, batch_sizes=[8, 8], ops=ops, trace_path="t.json")
+    by_cpu = format_top_ops(w).splitlines()
+    assert by_cpu[2].startswith("aten::copy_") and "1.500" in by_cpu[2] and "75.0%" in by_cpu[2]
+    by_gpu = format_top_ops(w, by="self_device_us").splitlines()
+    assert by_gpu[2].startswith("aten::mm") and by_gpu[2].rstrip().endswith("4.000")
 
 
 def _assert_valid_trace(path: str) -> set[str]:
