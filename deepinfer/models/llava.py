@@ -10,7 +10,7 @@ rows of `input_embeds` at the image-token positions (deepinfer.multimodal.embed_
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def image_token_id(self) -> int:
         return self.vision_config.image_token_id
 
+    def image_pixel_shape(self) -> tuple[int, int, int]:
+        """The [C, H, W] of one preprocessed image."""
+        tower = self.vision_config.tower
+        return (tower.num_channels, tower.image_size, tower.image_size)
+
     def num_image_tokens(self) -> int:
         """Embedding rows per image (every image is resized to the tower's size)."""
         drop_cls = self.vision_config.select_strategy == "default"
@@ -118,24 +123,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """Language tensors go through the Llama loader; tower and projector tensors map
         one-to-one (tower layers past the deepest used one, its post-norm and pooling head
         are skipped). Raises ValueError on unknown names, wrong shapes or unfilled weights."""
-        own = dict(self.named_parameters())
-        vision_params = {n: p for n, p in own.items()
-                         if n.startswith(("vision_tower.", "multi_modal_projector."))}
-        filled: set[str] = set()
-
-        def language():
-            for name, tensor in weights:
-                target = self._vision_target(name)
-                if target is None:
-                    yield self._language_name(name), tensor
-                elif target:
-                    self._copy_vision(name, target, tensor, vision_params)
-                    filled.add(target)
-
-        load_hf_named_weights(self, language(), skip_prefixes=("vision_tower.", "multi_modal_projector."))
-        missing = sorted(set(vision_params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:5])}")
+        load_vision_language_weights(self, weights, self._vision_target, self._language_name,
+                                     ("vision_tower.", "multi_modal_projector."))
 
     def _vision_target(self, name: str) -> str | None:
         """Our parameter name for a tower/projector tensor, "" for one to skip, None if the
@@ -161,13 +150,36 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 return new + name[len(old):]
         return name
 
-    @staticmethod
-    def _copy_vision(name: str, target: str, tensor: Tensor, params: dict[str, nn.Parameter]) -> None:
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"unexpected checkpoint tensor {name!r} for a LLaVA model")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
+
+
+def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]],
+                                 vision_target: Callable[[str], str | None],
+                                 language_name: Callable[[str], str], vision_prefixes: tuple[str, ...]) -> None:
+    """Language tensors (vision_target(name) is None) go through the Llama loader under
+    language_name(name); vision tensors map to our parameter vision_target(name) ("" = skip).
+    Raises ValueError on unknown names, wrong shapes or unfilled weights."""
+    params = {n: p for n, p in model.named_parameters() if n.startswith(vision_prefixes)}
+    filled: set[str] = set()
+
+    def language():
+        for name, tensor in weights:
+            target = vision_target(name)
+            if target is None:
+                yield language_name(name), tensor
+                continue
+            if not target:
+                continue
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected checkpoint tensor {name!r} for a {type(model).__name__} model")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            filled.add(target)
+
+    load_hf_named_weights(model, language(), skip_prefixes=vision_prefixes)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:5])}")

@@ -29,7 +29,7 @@ HF_ARCHITECTURES = {
 }
 
 # HF vision-language `architectures` whose `text_config` is one of the decoders above.
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,10 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(config: ModelConfig, dtype) -> nn.Module:
     """An unloaded model for `config` (call `load_weights` next)."""
-    if config.vision_language is not None:  # LLaVA: a vision tower in front of the decoder
+    if config.vision_language is not None:  # a vision tower in front of the decoder
+        if "Idefics3ForConditionalGeneration" in (config.vision_language.get("architectures") or ()):
+            from deepinfer.models.idefics3 import Idefics3ForConditionalGeneration
+            return Idefics3ForConditionalGeneration(config, dtype=dtype)
         from deepinfer.models.llava import LlavaForConditionalGeneration
         return LlavaForConditionalGeneration(config, dtype=dtype)
     return get_model_class(config.architecture)(config, dtype=dtype)

@@ -6,6 +6,9 @@ checkpoint names map one-to-one. The two differ only in:
 
     CLIP    patch conv without bias, a learned CLS token first, `pre_layrnorm` before layer 0
     SigLIP  patch conv with bias, no CLS token, no pre-norm (its pooling head is not used)
+    Idefics3  SigLIP's layers; position ids bucketed by fractional patch coordinates (for
+            the full, unpadded crops its processor makes they are 0..patches-1, computed the
+            same way), and a post-norm that Idefics3 reads (`post_norm=True`)
 
 Pooling heads and the post-norm are never used by LLaVA and are not built.
 """
@@ -20,7 +23,7 @@ from torch import Tensor, nn
 
 from deepinfer.layers.empty_init import uninitialized
 
-VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
+VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model", "idefics3_vision")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,15 @@ class VisionEmbeddings(nn.Module):
             self.class_embedding = nn.Parameter(torch.empty(d, dtype=dtype))
         self.position_embedding = uninitialized(nn.Embedding, config.num_positions, d, dtype=dtype)
 
+    def _position_ids(self, device) -> Tensor:
+        """Idefics3's bucketed ids for an unpadded image, with HF's float arithmetic."""
+        side = self.config.image_size // self.config.patch_size
+        boundaries = torch.arange(1 / side, 1.0, 1 / side, device=device)
+        step = 1.0 / torch.tensor([side], device=device)
+        frac = torch.arange(side, device=device, dtype=torch.float32)[None, :] * step[:, None]
+        buckets = torch.bucketize(frac.clamp(max=1.0 - 1e-6), boundaries, right=True)[0]  # [side]
+        return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
+
     def forward(self, pixel_values: Tensor) -> Tensor:
         size = self.config.image_size
         if tuple(pixel_values.shape[-2:]) != (size, size):
@@ -108,6 +120,8 @@ class VisionEmbeddings(nn.Module):
         if self.config.has_cls_token:
             cls = self.class_embedding.expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)  # [N, 1 + h*w, d]
+        if self.config.model_type == "idefics3_vision":
+            return x + self.position_embedding(self._position_ids(x.device))
         return x + self.position_embedding.weight
 
 
@@ -165,7 +179,8 @@ class VisionTransformer(nn.Module):
 
     Only the layers up to the deepest index used are built and run (`num_layers_used`)."""
 
-    def __init__(self, config: VisionTowerConfig, num_layers_used: int, dtype: torch.dtype):
+    def __init__(self, config: VisionTowerConfig, num_layers_used: int, dtype: torch.dtype,
+                 post_norm: bool = False):
         super().__init__()
         self.config = config
         self.embeddings = VisionEmbeddings(config, dtype)
@@ -173,6 +188,9 @@ class VisionTransformer(nn.Module):
             self.pre_layrnorm = uninitialized(nn.LayerNorm, config.hidden_size,
                                               eps=config.layer_norm_eps, dtype=dtype)
         self.encoder = VisionEncoder(config, num_layers_used, dtype)
+        if post_norm:
+            self.post_layernorm = uninitialized(nn.LayerNorm, config.hidden_size,
+                                                eps=config.layer_norm_eps, dtype=dtype)
 
     def hidden_states(self, pixel_values: Tensor, indices: list[int]) -> list[Tensor]:
         wanted = [feature_layer_index(i, self.config.num_hidden_layers) for i in indices]

@@ -36,8 +36,7 @@ class EngineImages:
         self.cache = cache if cache is not None else EmbeddingCache(DEFAULT_EMBEDDING_CACHE_BYTES)
         self.image_token_id: int = model.image_token_id
         self.num_image_tokens: int = model.num_image_tokens()
-        tower = model.vision_config.tower
-        self.pixel_shape = (tower.num_channels, tower.image_size, tower.image_size)
+        self.pixel_shape = tuple(model.image_pixel_shape())
         self._requests: dict[str, RequestImages] = {}
         self._pixels: dict[str, list[PixelArray | None]] = {}
         self.num_images_encoded = 0

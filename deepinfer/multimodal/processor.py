@@ -8,6 +8,7 @@ Chat messages are OpenAI-shaped; an image part is `{"type": "image", "image": <P
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,21 @@ class MultiModalProcessor:
                 raise ValueError("the prompt has an image marker but no image was given")
             return ids, None
         marker = getattr(self.hf_processor, "image_token", "<image>")
+        marker = str(marker)
         if text.count(marker) != len(images):
             raise ValueError(f"the prompt has {text.count(marker)} image markers ({marker!r}) "
                              f"for {len(images)} images")
         encoded = self.hf_processor(text=text, images=list(images), return_tensors="np")
         token_ids = [int(t) for t in encoded["input_ids"][0]]
         pixel_values = np.asarray(encoded["pixel_values"], dtype=np.float32)  # [N, 3, H, W]
-        spans = image_token_spans(token_ids, self.image_token_id, len(images))
-        placeholders = [ImagePlaceholder(image_content_hash(image), start, length)
-                        for image, (start, length) in zip(images, spans)]
+        if pixel_values.ndim == 5:  # Idefics3: [1, crops, 3, H, W]; each crop is one unit
+            pixel_values = pixel_values[0]
+        spans = image_token_spans(token_ids, self.image_token_id, len(pixel_values))
+        if len(pixel_values) == len(images):
+            hashes = [image_content_hash(image) for image in images]
+        else:  # crops of images: hashed by their pixels (the same image gives the same crops)
+            hashes = [hashlib.sha256(p.tobytes() + str(p.shape).encode()).hexdigest() for p in pixel_values]
+        placeholders = [ImagePlaceholder(h, start, length) for h, (start, length) in zip(hashes, spans)]
         pixels = [PixelArray.from_numpy(p) for p in pixel_values]
         return token_ids, MultiModalInputs(placeholders, pixels)
 

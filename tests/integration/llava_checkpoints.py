@@ -117,3 +117,40 @@ def llava_dirs(root: str, tokenizer_factory) -> dict[str, str]:
     for i, kind in enumerate(LLAVA_KINDS):
         dirs[kind] = write_tiny_llava(os.path.join(root, f"llava-{kind}"), kind, tokenizer_factory(), seed=i)
     return dirs
+
+
+IDEFICS3_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+
+
+def write_tiny_idefics3(directory: str, tokenizer, seed: int = 0) -> str:
+    """A seeded Idefics3 (SmolVLM-shaped) model and its processor: 32x32 crops of 8x8 patches,
+    pixel shuffle 2 -> 4 tokens per crop; images up to 64 px split into 2x2 crops + a global view."""
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig)
+
+    tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    std = lambda name: 0.4 if name.endswith("lm_head.weight") else 0.3 if "connector" in name else _std(name)  # noqa: E731
+    model, _ = seeded_random_model(config, seed, std, model_class=Idefics3ForConditionalGeneration)
+    model.save_pretrained(directory)
+    image_processor = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                             do_image_splitting=True)
+    Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def hf_idefics3(directory: str):
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
+    return Idefics3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
