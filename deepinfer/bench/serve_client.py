@@ -145,11 +145,10 @@ class ServeClient:
             body["ignore_eos"] = True
         if cfg.endpoint == "chat":
             content = prompt
-            if request.images:  # images workload: text then each image as a PNG data URL
+            if request.images:  # images workload: each image as a PNG data URL, then the text
                 from deepinfer.bench.synthetic_images import image_data_url
-                content = [{"type": "text", "text": prompt}] + [
-                    {"type": "image_url", "image_url": {"url": image_data_url(spec)}}
-                    for spec in request.images]
+                content = [{"type": "image_url", "image_url": {"url": image_data_url(spec)}}
+                           for spec in request.images] + [{"type": "text", "text": prompt}]
             body.update(messages=[{"role": "user", "content": content}],
                         max_completion_tokens=request.output_len)
             return f"{cfg.root_url}/v1/chat/completions", body

@@ -205,3 +205,33 @@ def test_images_workload_flags():
     assert cfg.num_unique_images == 5
     with pytest.raises(ValueError, match="--image-sizes"):
         workload_config_from_args(parser.parse_args(["--workload", "images", "--image-sizes", "64"]))
+
+
+def test_chat_payload_sends_images_as_data_urls_before_the_text():
+    import asyncio
+
+    import pytest
+
+    from deepinfer.bench.serve_client import ClientConfig, ServeClient
+    from deepinfer.bench.synthetic_images import image_data_url
+    from deepinfer.bench.workloads import BenchRequest, ImageSpec
+
+    request = BenchRequest([1, 2, 3], 4, 0.0, (ImageSpec(1, 8, 6), ImageSpec(2, 4, 4)))
+
+    async def payload(endpoint):
+        client = ServeClient(ClientConfig(endpoint=endpoint, prompt_format="text", show_progress=False),
+                             detokenize=lambda ids: "abc")
+        try:
+            if endpoint != "chat":
+                return await client.send("m", request, 0.0)
+            return client._payload("m", request)
+        finally:
+            await client.close()
+
+    url, body = asyncio.run(payload("chat"))
+    parts = body["messages"][0]["content"]
+    assert url.endswith("/v1/chat/completions")
+    assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+    assert parts[0]["image_url"]["url"] == image_data_url(ImageSpec(1, 8, 6)) and parts[2]["text"] == "abc"
+    with pytest.raises(ValueError, match="chat endpoint"):
+        asyncio.run(payload("completions"))
