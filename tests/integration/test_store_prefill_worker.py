@@ -20,7 +20,7 @@ import zmq
 
 from deepinfer.cluster.kv_transport import ZmqKVTransport
 from deepinfer.cluster.messages import PrefillRequest
-from deepinfer.cluster.prefill_worker import PrefillWorkerLoop
+from deepinfer.cluster.prefill_worker import STORE_PROBE_EVERY, PrefillWorkerLoop
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier, layout_for_cache
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.core.prefix_hash import salt_hash
@@ -205,3 +205,11 @@ def test_a_hung_store_read_is_not_waited_for_and_the_next_prompt_skips_the_store
     assert c.store_hit_tokens == 0 and c.device_hit_tokens == 3 * BS
     a.handle(PrefillRequest("r-a", r, PARAMS, 0.0))
     assert run_until_done(a, "r-a") == first_r
+
+    # Skipping is not for ever: every STORE_PROBE_EVERY-th prompt that would skip the store
+    # reads it anyway, to notice a store that has recovered (only the read is started here).
+    for i in range(STORE_PROBE_EVERY - 2):
+        b._start_prefetch(PrefillRequest(f"s{i}", prompt(10 + i, 40), PARAMS, 0.0))
+    assert c.store_loads_skipped == STORE_PROBE_EVERY - 1 and not b._jobs
+    b._start_prefetch(PrefillRequest("probe", prompt(99, 40), PARAMS, 0.0))
+    assert "probe" in b._jobs and c.store_loads_skipped == STORE_PROBE_EVERY - 1
