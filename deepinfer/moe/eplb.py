@@ -17,24 +17,29 @@ Each layer (per node in hierarchical mode) is planned from several candidate lay
   optionally refined by swaps that lower the busiest rank without putting two replicas of one
   expert on the same rank;
 - pack-then-replicate: every expert once, then spare slots take replicas where they do not
-  raise the peak, else repeat one of the rank's own experts (no load moves).
+  raise the peak, else repeat one of the rank's own experts (no load moves);
+- pack-then-split: the tight once-each packing with hot experts split into replicas (all at
+  once then swapped, or one at a time while the peak bound holds): whole hot experts are
+  what swings the next window's peak.
 The greedy layout and the once-each layout bound the allowed peak, so the plan is never worse
 on its window's loads than the greedy planner or than no replicas; among the layouts within
-that bound the one with the lowest mean peak under per-expert load drift wins, since a plan
-made from one window serves the next.
+that bound the one with the lowest mean peak under per-expert load drift wins (the same
+NUM_DRIFT_SAMPLES draws for every layout), since a plan made from one window serves the next.
+With several nodes each node's layout is then chosen again by the whole layer's drift peak.
 Hierarchical mode (expert groups divisible by nodes): groups are packed onto nodes first, so a
 group's experts and all their replicas stay inside one node (token dispatch of a group is
 intra-node).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 # How a plan is judged beyond the window it was made from: per-expert multiplicative drift.
 LOAD_DRIFT_SIGMA = 0.3
-NUM_DRIFT_SAMPLES = 16
+NUM_DRIFT_SAMPLES = 256
 
 
 @dataclass(frozen=True)
@@ -129,24 +134,55 @@ def _plan_layer(load: np.ndarray, num_physical: int, num_ranks: int, num_groups:
 
 def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num_ranks: int,
                 group_size: int, num_nodes: int) -> np.ndarray:
-    """Replicate and pack each node's experts onto its ranks; phy2log rank-major."""
+    """Replicate and pack each node's experts onto its ranks; phy2log rank-major.
+
+    Each node's layout is chosen among its candidates within the node's guarantees, first by
+    the node's own expected peak under drift, then once more by the whole layer's (a node's
+    choice matters only where it can hold the layer's busiest rank)."""
     ranks_per_node = num_ranks // num_nodes
     slots_per_node = num_physical // num_nodes
-    phy2log = np.empty(num_physical, dtype=np.int64)
+    options = []  # per node: feasible layouts as global expert ids
     for node in range(num_nodes):
         experts = np.concatenate([np.arange(g * group_size, (g + 1) * group_size)
                                   for g in np.flatnonzero(group_node == node)])
         node_load = load[experts]
-        greedy = _replicate_and_pack(node_load, slots_per_node, ranks_per_node, refine=False)
-        candidates = [greedy, _replicate_and_pack(node_load, slots_per_node, ranks_per_node)]
-        bound = _peak(node_load, greedy, ranks_per_node)
-        if len(experts) % ranks_per_node == 0:
-            once = _pack_then_replicate(node_load, slots_per_node, ranks_per_node, False)
-            candidates += [once, _pack_then_replicate(node_load, slots_per_node, ranks_per_node)]
-            bound = min(bound, _peak(node_load, once, ranks_per_node))
-        local = _choose(candidates, node_load, ranks_per_node, bound)
-        phy2log[node * slots_per_node:(node + 1) * slots_per_node] = experts[local]
-    return phy2log
+        candidates, bound = _node_candidates(node_load, slots_per_node, ranks_per_node)
+        local = _feasible(candidates, node_load, ranks_per_node, bound)
+        scores = [_drift_peak(node_load, c, ranks_per_node) for c in local]
+        options.append([experts[local[i]] for i in np.argsort(scores, kind="stable")])
+    chosen = [opts[0] for opts in options]
+    if num_nodes > 1:
+        for node, opts in enumerate(options):
+            def layer_score(layout, node=node):
+                trial = chosen[:node] + [layout] + chosen[node + 1:]
+                return _drift_peak(load, np.concatenate(trial), num_ranks)
+            chosen[node] = min(opts, key=layer_score)
+    return np.concatenate(chosen)
+
+
+def _node_candidates(load: np.ndarray, num_slots: int,
+                     num_ranks: int) -> tuple[list[np.ndarray], float]:
+    """Candidate layouts of one node and the peak bound they must meet (the greedy layout's
+    and the once-each layout's: never worse than DeepSeek's greedy nor than no replicas)."""
+    greedy = _replicate_and_pack(load, num_slots, num_ranks, refine=False)
+    candidates = [greedy, _replicate_and_pack(load, num_slots, num_ranks)]
+    bound = _peak(load, greedy, num_ranks)
+    if load.shape[0] % num_ranks == 0:
+        once = _pack_then_replicate(load, num_slots, num_ranks, False)
+        candidates += [once, _pack_then_replicate(load, num_slots, num_ranks)]
+        bound = min(bound, _peak(load, once, num_ranks))
+        # Packing every expert once can fit one window a hair tighter than the replicated
+        # layouts and so bound them out, yet whole hot experts swing the next window's peak:
+        # split hot experts of the tight packing into replicas while the bound holds.
+        candidates.append(_pack_then_split(load, num_slots, num_ranks))
+        candidates.append(_split_within(load, once, num_ranks, bound))
+    return candidates, bound
+
+
+def _feasible(candidates: list[np.ndarray], load: np.ndarray, num_ranks: int,
+              bound: float) -> list[np.ndarray]:
+    eps = 1e-9 * max(float(load.sum()), 1.0)
+    return [c for c in candidates if _peak(load, c, num_ranks) <= bound + eps]
 
 
 def _choose(candidates: list[np.ndarray], load: np.ndarray, num_ranks: int,
@@ -154,19 +190,35 @@ def _choose(candidates: list[np.ndarray], load: np.ndarray, num_ranks: int,
     """Among layouts whose peak on `load` is within `bound` (the guarantees), the one with the
     lowest mean peak when each expert's load drifts (the plan serves the *next* window):
     the tightest fit to one window often packs its heavy experts together and loses later."""
-    eps = 1e-9 * max(float(load.sum()), 1.0)
-    feasible = [c for c in candidates if _peak(load, c, num_ranks) <= bound + eps]
-    drift = np.random.default_rng(0).lognormal(0.0, LOAD_DRIFT_SIGMA,
-                                               (NUM_DRIFT_SAMPLES, load.shape[0]))
-    scores = [np.mean([_peak(load * d, c, num_ranks) for d in drift]) for c in feasible]
+    feasible = _feasible(candidates, load, num_ranks, bound)
+    scores = [_drift_peak(load, c, num_ranks) for c in feasible]
     return feasible[int(np.argmin(scores))]
 
 
+@functools.lru_cache(maxsize=64)
+def _drift_draws(num_experts: int) -> np.ndarray:
+    """The fixed drift draws [NUM_DRIFT_SAMPLES, num_experts] (deterministic, read-only)."""
+    draws = np.random.default_rng(0).lognormal(0.0, LOAD_DRIFT_SIGMA,
+                                               (NUM_DRIFT_SAMPLES, num_experts))
+    draws.setflags(write=False)
+    return draws
+
+
+def _drift_peak(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> float:
+    """Mean peak rank load over NUM_DRIFT_SAMPLES draws of per-expert multiplicative drift
+    (the same draws for every layout compared: common random numbers)."""
+    drift = _drift_draws(load.shape[0])
+    per_slot = (drift * (load / np.bincount(slots, minlength=load.shape[0])))[:, slots]
+    return float(per_slot.reshape(NUM_DRIFT_SAMPLES, num_ranks, -1).sum(-1).max(-1).mean())
+
+
 def _replicate_and_pack(load: np.ndarray, num_slots: int, num_ranks: int,
-                        refine: bool = True) -> np.ndarray:
+                        refine: bool = True, colocate: bool = False) -> np.ndarray:
+    """`colocate`: the swap refinement may put two replicas of one expert on one rank."""
     local = replicate(load, num_slots)  # replica -> expert
     replica_loads = load[local] / np.bincount(local)[local]
-    rank_of = pack_items(replica_loads, num_ranks, refine=refine, keys=local)
+    rank_of = pack_items(replica_loads, num_ranks, refine=refine,
+                         keys=None if colocate else local)
     return local[np.argsort(rank_of, kind="stable")]  # rank-major slots
 
 
@@ -217,6 +269,67 @@ def _pack_then_replicate(load: np.ndarray, num_slots: int, num_ranks: int,
         hosted[r, e] += 1
         counts[e] += 1
     return np.concatenate([np.asarray(slots, dtype=np.int64) for slots in layout])
+
+
+def _pack_then_split(load: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
+    """Every expert once on the ranks of the tight once-each packing, the extra replicas
+    (`replicate`'s counts) heaviest first onto the lightest rank with room that does not
+    hold the expert, then swap refinement without co-located replicas."""
+    num_experts = load.shape[0]
+    local = replicate(load, num_slots)  # replica -> expert, experts in order
+    counts = np.bincount(local, minlength=num_experts)
+    weights = load[local] / counts[local]
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each expert's first replica
+    pack_of = np.full(num_slots, -1, dtype=np.int64)
+    pack_of[first] = pack_items(load, num_ranks)
+    capacity = num_slots // num_ranks
+    size = np.bincount(pack_of[first], minlength=num_ranks)
+    pack_load = np.bincount(pack_of[first], weights[first], minlength=num_ranks)
+    extra = np.setdiff1d(np.arange(num_slots), first)
+    for item in extra[np.argsort(-weights[extra], kind="stable")]:
+        hosts = pack_of[local == local[item]]
+        open_ranks = [r for r in range(num_ranks) if size[r] < capacity]
+        free = [r for r in open_ranks if r not in hosts] or open_ranks
+        rank = min(free, key=lambda r: pack_load[r])
+        pack_of[item] = rank
+        size[rank] += 1
+        pack_load[rank] += weights[item]
+    if num_ranks > 1 and capacity > 1:
+        _refine_by_swaps(weights, pack_of, pack_load, local)
+    return local[np.argsort(pack_of, kind="stable")]
+
+
+def _split_within(load: np.ndarray, once: np.ndarray, num_ranks: int,
+                  bound: float) -> np.ndarray:
+    """From the once-each layout (spare slots repeat a rank's own expert), turn repeats into
+    replicas of the hottest experts one at a time, each followed by swap refinement, keeping
+    a split only while the window's peak stays within `bound`."""
+    eps = 1e-9 * max(float(load.sum()), 1.0)
+    num_experts, num_slots = load.shape[0], once.shape[0]
+    rank_of_slot = np.arange(num_slots) // (num_slots // num_ranks)
+    slots = once.copy()
+    for expert in np.argsort(-load, kind="stable")[:num_slots - num_experts]:
+        held = np.zeros((num_ranks, num_experts), dtype=np.int64)
+        np.add.at(held, (rank_of_slot, slots), 1)
+        spots = np.flatnonzero((held[rank_of_slot, slots] > 1) & (held[rank_of_slot, expert] == 0))
+        if spots.size == 0:
+            continue
+        rank_load = _rank_loads(load, slots, num_ranks)
+        trial = slots.copy()
+        trial[spots[np.argmin(rank_load[rank_of_slot[spots]])]] = expert
+        weights = (load / np.bincount(trial, minlength=num_experts))[trial]
+        pack_of = rank_of_slot.copy()
+        _refine_by_swaps(weights, pack_of, np.bincount(pack_of, weights, minlength=num_ranks),
+                         trial)
+        trial = trial[np.argsort(pack_of, kind="stable")]
+        if _peak(load, trial, num_ranks) <= bound + eps:
+            slots = trial
+    return slots
+
+
+def _rank_loads(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> np.ndarray:
+    per_slot = (load / np.bincount(slots, minlength=load.shape[0]))[slots]
+    return per_slot.reshape(num_ranks, -1).sum(-1)
 
 
 def _peak(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> float:
