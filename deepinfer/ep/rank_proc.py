@@ -55,17 +55,23 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
     if device.type == "cuda":
         torch.cuda.set_device(device)
     source = resolve_model(config.model)
-    model = load_model(source, getattr(torch, config.dtype), device)
     runtime = group = None
     if ep_config.enable_expert_parallel:
         from deepinfer.ep.process_group import init_rank_group
+        from deepinfer.ep.rank_weights import load_rank_model
         from deepinfer.moe.expert_parallel import ExpertParallelRuntime
 
         group = init_rank_group(rank, world, port, device, ep_config.backend,
                                 ep_config.collective_timeout_s, host=master_addr)
-        runtime = ExpertParallelRuntime(
-            model, rank, world, ep_config.dispatcher,
-            ep_config.eplb if ep_config.enable_eplb else None, ep_config.num_redundant_experts)
+        # Only this rank's slots' experts are read into memory (ep/rank_weights.py).
+        model, runtime = load_rank_model(
+            source, getattr(torch, config.dtype), device,
+            lambda m: ExpertParallelRuntime(
+                m, rank, world, ep_config.dispatcher,
+                ep_config.eplb if ep_config.enable_eplb else None,
+                ep_config.num_redundant_experts, load_slots=False))
+    else:
+        model = load_model(source, getattr(torch, config.dtype), device)
     if device.type == "cpu":  # as LLMEngine does for a model it loads itself
         pack_linear_weights(model)
         install_elementwise_kernels(model)

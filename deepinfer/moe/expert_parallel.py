@@ -31,7 +31,10 @@ def moe_blocks(model: nn.Module) -> list[SparseMoEBlock]:
 class ExpertParallelRuntime:
     def __init__(self, model: nn.Module, rank: int, world_size: int, dispatcher: str = "alltoall",
                  eplb: EPLBConfig | None = None, num_redundant_experts: int = 0,
-                 group=None) -> None:
+                 group=None, load_slots: bool = True) -> None:
+        """`load_slots`: copy each rank's slots from the model's full expert stacks (loaded);
+        False when the stacks were never filled and the caller loads only the slots'
+        experts from the checkpoint (ep/rank_weights.py)."""
         blocks = moe_blocks(model)
         if not blocks:
             raise ValueError("expert parallelism needs a MoE model (no sparse MoE layer found)")
@@ -60,7 +63,8 @@ class ExpertParallelRuntime:
                                               hidden, full.intermediate_size,
                                               full.gate_up_proj.dtype, comm)
             layer.set_mapping(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i])
-            layer.load_local_slots(full.gate_up_proj, full.down_proj)
+            if load_slots:
+                layer.load_local_slots(full.gate_up_proj, full.down_proj)
             block.experts = layer  # the full stack is dropped here
             self.layers.append(layer)
         self.hidden_size = hidden
