@@ -289,8 +289,11 @@ def connect_ray(address: str | None, init_kwargs: dict | None = None) -> bool:
         ray.init(**kwargs)
     except (ConnectionError, TimeoutError) as exc:
         where = address or os.environ.get("RAY_ADDRESS")
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"cannot connect to Ray at {where}: {first}") from None
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # Ray Client puts the server's traceback after its first line: keep its last line too.
+        reason = " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else \
+            type(exc).__name__
+        raise ValueError(f"cannot connect to Ray at {where}: {reason}") from None
     return True
 
 

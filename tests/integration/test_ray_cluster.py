@@ -43,6 +43,10 @@ def ray_cluster():
     # shared test box can be other processes' doing; the raylets inherit this and skip it.
     saved_monitor = os.environ.get("RAY_memory_monitor_refresh_ms")
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+    # The head's Ray Client server starts a server process per client and gives it 30 s to
+    # answer; on a loaded 2-core box that start alone can take longer.
+    saved_client_timeout = os.environ.get("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S")
+    os.environ["RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S"] = "180"
     # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
     temp_dir = tempfile.mkdtemp(prefix="dray")
     with socket.socket() as s:  # the head's Ray Client server (ray://) port
@@ -62,10 +66,12 @@ def ray_cluster():
     ray.shutdown()
     cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
-    if saved_monitor is None:
-        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
-    else:
-        os.environ["RAY_memory_monitor_refresh_ms"] = saved_monitor
+    for name, saved in (("RAY_memory_monitor_refresh_ms", saved_monitor),
+                        ("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", saved_client_timeout)):
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 class RayHarness(ClusterHarness):
