@@ -49,6 +49,13 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.cpu_kernels = None  # set by runtime.cpu_elementwise_kernels on bf16 CPU models
+
+    def _rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        kernels = self.cpu_kernels
+        if kernels is not None and kernels.rotary_applies(x, cos, sin):
+            return kernels.rotary(x, cos, sin)  # one pass, the same bf16 roundings
+        return apply_rotary(x, cos, sin)
 
     def forward(self, cos: Tensor, sin: Tensor, hidden: Tensor, attn: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2*KV) * d]
@@ -57,13 +64,13 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             # q and k are adjacent in each row: rotate them as one [T, H + KV, d] view.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
-            qk = apply_rotary(qk, cos, sin)
+            qk = self._rotary(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, H, d], [T, KV, d]
         else:
             q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = apply_rotary(self.q_norm(q), cos, sin)
-            k = apply_rotary(self.k_norm(k), cos, sin)
+            q = self._rotary(self.q_norm(q), cos, sin)
+            k = self._rotary(self.k_norm(k), cos, sin)
         out = attn.forward(self.layer_idx, q, k, v)  # [T, H, d]
         return self.o_proj(out.reshape(-1, self.q_size))
 

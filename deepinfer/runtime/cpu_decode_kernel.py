@@ -1,10 +1,13 @@
 """Calls the C paged-decode-attention kernel (kernels/paged_decode_attention.c).
 
 The kernel reads K/V straight from the block table, so decode attention skips the gather
-copy. Opt-in (DEEPINFER_DECODE_KERNEL=1): alone, one layer's decode attention is faster
-(B=64, ctx=320, bf16: 1.50 -> 1.27 ms), but the whole W1 benchmark ran ~20% slower with it
-(23.5 s vs 19.5 s, alternating runs), so the torch gather + SDPA path stays the default
-until the kernel's threading is understood.
+copy and the boolean mask. On by default (DEEPINFER_DECODE_KERNEL=0 keeps the torch gather +
+SDPA path, the reference). It runs in torch's own OpenMP pool: the library links libgomp.so.1,
+which the loader resolves to the copy torch already loaded (checked in /proc/self/maps), so
+there is one thread pool, not two. Measured per layer, CPU time on a loaded Zen 4 box, one
+thread (benchmarks/perf_step_profile.py and a layer micro-benchmark): B=1, ctx=300: 96 -> 52 us;
+B=64, ctx=320: 17.5 -> 6.8 ms. (An earlier W1 run on a shared Sapphire Rapids box was ~20%
+slower with the kernel, 23.5 s vs 19.5 s; not reproduced per step here, to be re-measured.)
 
 At load, each dtype of the kernel is checked against gather + SDPA on a few shapes (odd
 head dims, block sizes and lengths, 1 and N threads); a dtype that disagrees stays on the
@@ -96,7 +99,7 @@ def decode_kernel_mismatch(kernel: DecodeKernel, dtype: torch.dtype) -> str | No
 
 
 def load_decode_kernel() -> DecodeKernel | None:
-    if os.environ.get("DEEPINFER_DECODE_KERNEL", "0") != "1":
+    if os.environ.get("DEEPINFER_DECODE_KERNEL", "1") == "0":
         return None
     lib = load_kernel_library("paged_decode_attention")
     if lib is None:

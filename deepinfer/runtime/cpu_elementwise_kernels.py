@@ -1,7 +1,8 @@
-"""Fused bf16 RMSNorm and SiLU-and-mul for CPU (kernels/fused_elementwise.c).
+"""Fused bf16 RMSNorm, SiLU-and-mul and rotary embedding for CPU (kernels/fused_elementwise.c).
 
-`install_elementwise_kernels(model)` hands the loaded kernels to each bf16 RMSNorm and
-SwiGLU MLP of a CPU model (an explicit per-module attribute, no global switch); the modules
+`install_elementwise_kernels(model)` hands the loaded kernels to each bf16 RMSNorm, SwiGLU
+MLP and Llama attention (its q/k rotary: one pass instead of torch's eight ops, bit-equal) of a
+CPU model (an explicit per-module attribute, no global switch); the modules
 fall back to their torch code for any other dtype, device or a non-contiguous input.
 Each op is first checked against torch on a few shapes (odd widths, widths that are not a
 multiple of the vector length or of the kernel's chunk, serial and threaded row counts,
@@ -10,6 +11,7 @@ gates far in both tails); an op that disagrees is not installed (cpu_kernel_buil
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ class ElementwiseKernels:
         self._rms_norm.argtypes = [_P, _P, _P, _I64, _INT, _F, _INT]
         self._silu_and_mul = lib.silu_and_mul_bf16
         self._silu_and_mul.argtypes = [_P, _P, _I64, _INT, _INT]
+        self._rotary = lib.rotary_bf16
+        self._rotary.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, _INT, _INT, _INT]
 
     @staticmethod
     def applies(x: Tensor) -> bool:
@@ -49,6 +53,42 @@ class ElementwiseKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num, width // 2,
                            torch.get_num_threads())
         return out
+
+
+    @staticmethod
+    def rotary_applies(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+        """x [T, heads, D] with heads adjacent in each row; cos/sin [T, 1, D/2] rows."""
+        return (x.dtype == cos.dtype == sin.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and x.shape[2] % 2 == 0 and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2] // 2)
+                and cos.stride(2) == sin.stride(2) == 1 and cos.stride(0) == sin.stride(0))
+
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """layers.rotary.apply_rotary for bf16 (same roundings): -> [T, heads, D] contiguous."""
+        num, heads, dim = x.shape
+        out = torch.empty(num, heads, dim, dtype=x.dtype)
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                     out.data_ptr(), num, heads, dim, torch.get_num_threads())
+        return out
+
+
+def rotary_mismatch(kernels: ElementwiseKernels) -> str | None:
+    """First difference of the rotary kernel from apply_rotary (bit-equal expected), or None."""
+    from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(2)
+    for rows in _SELF_TEST_ROWS:
+        for heads, dim in ((1, 2), (3, 18), (12, 64), (2, 600)):
+            rope = RotaryEmbedding(dim, 512, 10000.0, None, torch.bfloat16)
+            cos, sin = rope.cos_sin(torch.randint(0, 512, (rows,), generator=gen))
+            # heads taken from wider rows, as the model passes q|k out of the qkv projection
+            wide = (3 * torch.randn(rows, heads + 1, dim, generator=gen)).bfloat16()
+            x = wide[:, :heads]
+            problem = mismatch(kernels.rotary(x, cos, sin), apply_rotary(x, cos, sin), 0.0, 0.0,
+                               f"rotary rows={rows}, heads={heads}, head_dim={dim}")
+            if problem is not None:
+                return problem
+    return None
 
 
 def rms_norm_mismatch(kernels: ElementwiseKernels) -> str | None:
@@ -83,13 +123,22 @@ def silu_and_mul_mismatch(kernels: ElementwiseKernels) -> str | None:
     return None
 
 
+def _module_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of the first parameter or buffer: after cpu_linear_packing an MLP's weights
+    are packed buffers (looking at parameters alone missed every packed MLP)."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return None if tensor is None else tensor.dtype
+
+
 def install_elementwise_kernels(model: nn.Module) -> int:
-    """Give the bf16 CPU norms and MLPs of `model` the fused kernels; returns how many."""
+    """Give the bf16 CPU norms, MLPs and Llama attentions of `model` the fused kernels;
+    returns how many modules got them."""
     from deepinfer.layers.mlp import SwiGLUMLP
     from deepinfer.layers.norm import RMSNorm
+    from deepinfer.models.llama import LlamaAttention
 
-    targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLUMLP))
-               and next(m.parameters(), torch.empty(0)).dtype == torch.bfloat16]
+    targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLUMLP, LlamaAttention))
+               and _module_dtype(m) == torch.bfloat16]
     if not targets:
         return 0
     lib = load_kernel_library("fused_elementwise")
@@ -98,8 +147,9 @@ def install_elementwise_kernels(model: nn.Module) -> int:
     kernels = ElementwiseKernels(lib)
     verified = {RMSNorm: self_test(lib, "rms_norm_bf16", lambda: rms_norm_mismatch(kernels)),
                 SwiGLUMLP: self_test(lib, "silu_and_mul_bf16",
-                                     lambda: silu_and_mul_mismatch(kernels))}
-    targets = [m for m in targets if verified[RMSNorm if isinstance(m, RMSNorm) else SwiGLUMLP]]
+                                     lambda: silu_and_mul_mismatch(kernels)),
+                LlamaAttention: self_test(lib, "rotary_bf16", lambda: rotary_mismatch(kernels))}
+    targets = [m for m in targets if verified[next(c for c in verified if isinstance(m, c))]]
     for module in targets:
         module.cpu_kernels = kernels
     return len(targets)

@@ -116,11 +116,13 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        ctx = torch.arange(width * self.block_size, device=dev)
         context_lens = torch.tensor(lens, dtype=torch.long, device=dev)
-        mask = ctx.unsqueeze(0) < context_lens.unsqueeze(1)  # [B, ctx]
         block_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
-        return DecodeMetadata(len(tables), block_ids, mask[:, None, None, :], context_lens)
+        mask = None
+        if self.decode_kernel is None:  # the C kernel reads context_lens, SDPA needs a mask
+            ctx = torch.arange(width * self.block_size, device=dev)
+            mask = (ctx.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, ctx]
+        return DecodeMetadata(len(tables), block_ids, mask, context_lens)
 
     def _prefill_meta(self, r: ScheduledRequest, start: int) -> PrefillChunkMetadata:
         p0, x = r.num_computed_tokens, r.num_new_tokens

@@ -23,7 +23,9 @@ from deepinfer.runtime.kv_cache import PagedKVCache
 class DecodeMetadata:
     num_tokens: int
     block_ids: Tensor  # [B * max_blocks] long, row-major block tables (padding: block 0, masked)
-    attn_mask: Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    # [B, 1, 1, max_blocks * block_size] bool, True = attend; None when the C decode kernel
+    # reads context_lens instead
+    attn_mask: Tensor | None
     context_lens: Tensor  # [B] long, tokens each decode attends to (its new token included)
 
 

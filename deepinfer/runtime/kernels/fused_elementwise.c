@@ -71,3 +71,42 @@ void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I,
         }
     }
 }
+
+/* Rotary embedding (rotate_half layout) of `heads` heads of D per token, bit-equal to
+ * layers/rotary.apply_rotary in bf16: torch rounds each product and each sum to bf16
+ * (x1*cos - x2*sin is three bf16 ops), so this does the same roundings instead of one fused
+ * float expression. The products of two bf16 values are exact in float32, so only the
+ * explicit roundings matter (and -ffast-math cannot contract across them: they go through
+ * integer bits).
+ *   x: token t's head j at x + t * x_stride + j * D (heads adjacent, rows strided)
+ *   cos/sin: token t's D/2 values at cos + t * cs_stride (sin likewise)
+ *   out [T, heads, D] contiguous */
+void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                 int64_t cs_stride, uint16_t *out, int64_t T, int heads, int D, int num_threads) {
+    const int half = D / 2;
+    _Pragma("omp parallel for num_threads(num_threads) if(T >= 64) schedule(static)")
+    for (int64_t t = 0; t < T; t++) {
+        float c[CHUNK], s[CHUNK], x1[CHUNK], x2[CHUNK];
+        const uint16_t *xr = x + t * x_stride;
+        uint16_t *o = out + t * (int64_t)heads * D;
+        for (int i0 = 0; i0 < half; i0 += CHUNK) {
+            const int n = half - i0 < CHUNK ? half - i0 : CHUNK;
+            widen(c, cos + t * cs_stride + i0, n);
+            widen(s, sin + t * cs_stride + i0, n);
+            for (int j = 0; j < heads; j++) {
+                const uint16_t *xh = xr + (int64_t)j * D;
+                uint16_t *oh = o + (int64_t)j * D;
+                widen(x1, xh + i0, n);
+                widen(x2, xh + half + i0, n);
+                for (int i = 0; i < n; i++) {
+                    const float a = bf16_to_f32(f32_to_bf16(x1[i] * c[i]));
+                    const float b = bf16_to_f32(f32_to_bf16(x2[i] * s[i]));
+                    const float e = bf16_to_f32(f32_to_bf16(x2[i] * c[i]));
+                    const float f = bf16_to_f32(f32_to_bf16(x1[i] * s[i]));
+                    oh[i0 + i] = f32_to_bf16(a - b);
+                    oh[half + i0 + i] = f32_to_bf16(e + f);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,123 @@
+"""The bf16 CPU fast paths (packed / small-batch linears, fused norm, SiLU and rotary kernels,
+the C paged decode kernel) against the plain torch model on the same paged steps.
+
+Tiny random checkpoints cover a tied head, q/k/v biases and per-head q/k norms.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.core.scheduler_output import ScheduledRequest
+from deepinfer.layers.mlp import SwiGLUMLP
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import apply_rotary
+from deepinfer.models.llama import LlamaAttention
+from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
+from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
+from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
+from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from deepinfer.runtime.model_runner import ModelRunner
+from deepinfer.runtime.model_source import load_model, resolve_model
+from deepinfer.sampling_params import SamplingParams
+from tests.integration.tiny_models import VOCAB, tiny_hf_model
+
+KINDS = ["llama_tied", "qwen2", "qwen3"]
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for i, kind in enumerate(KINDS):
+        directory = tmp_path_factory.mktemp(kind)
+        tiny_hf_model(kind, seed=10 + i).save_pretrained(directory)
+        out[kind] = str(directory)
+    return out
+
+
+def _fast_model(directory, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_SMALL_BATCH_LINEAR", "1")
+    load_small_batch_linear.cache_clear()
+    model = load_model(resolve_model(directory), torch.bfloat16)
+    pack_linear_weights(model)
+    install_elementwise_kernels(model)
+    load_small_batch_linear.cache_clear()
+    return model
+
+
+def _runner(model, monkeypatch, decode_kernel: bool) -> ModelRunner:
+    monkeypatch.setenv("DEEPINFER_DECODE_KERNEL", "1" if decode_kernel else "0")
+    c = model.config
+    spec = KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, BLOCK, torch.bfloat16)
+    return ModelRunner(model, PagedKVCache(spec, 40, torch.device("cpu")), torch.device("cpu"))
+
+
+def _step_logits(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    """Logits of the sampled rows, in the order of `scheduled` (decodes first)."""
+    ordered = sorted(scheduled, key=lambda r: r.num_new_tokens != 1)
+    assert ordered == scheduled
+    with torch.inference_mode():
+        ids, positions, meta, sample_idx, _ = runner._prepare(ordered)
+        hidden = runner.model(ids, positions, runner._attention_backend(meta))
+        return runner.model.compute_logits(hidden[sample_idx])
+
+
+def _req(rid, tokens, computed, blocks):
+    return ScheduledRequest(rid, tokens, computed, blocks, True, SamplingParams(temperature=0.0), 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_bf16_module_gets_its_kernel_after_packing(checkpoints, kind, monkeypatch):
+    """Packing turns the MLP's weights into buffers; the kernels must still be installed
+    (they were not: the dtype was read from parameters only)."""
+    model = _fast_model(checkpoints[kind], monkeypatch)
+    for cls in (RMSNorm, SwiGLUMLP, LlamaAttention):
+        modules = [m for m in model.modules() if isinstance(m, cls)]
+        assert modules and all(m.cpu_kernels is not None for m in modules), cls.__name__
+
+
+def test_rotary_kernel_is_bit_equal_to_torch(checkpoints, monkeypatch):
+    model = _fast_model(checkpoints["llama_tied"], monkeypatch)
+    attn = model.model.layers[0].self_attn
+    rope = model.model.rotary
+    gen = torch.Generator().manual_seed(0)
+    for num_tokens in (1, 5, 70):
+        qkv = (4 * torch.randn(num_tokens, attn.q_size + 2 * attn.kv_size, generator=gen)).bfloat16()
+        qk = qkv[:, :attn.q_size + attn.kv_size].view(num_tokens, -1, attn.head_dim)
+        cos, sin = rope.cos_sin(torch.randint(0, 128, (num_tokens,), generator=gen))
+        assert attn.cpu_kernels.rotary_applies(qk, cos, sin)
+        assert torch.equal(attn._rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_paths_match_plain_torch_on_paged_steps(checkpoints, kind, monkeypatch):
+    plain = load_model(resolve_model(checkpoints[kind]), torch.bfloat16)
+    fast = _fast_model(checkpoints[kind], monkeypatch)
+    runners = {"plain": _runner(plain, monkeypatch, decode_kernel=False),
+               "fast": _runner(fast, monkeypatch, decode_kernel=True)}
+    assert runners["plain"].decode_kernel is None and runners["fast"].decode_kernel is not None
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (13, 6)]
+    blocks = [list(range(1, 11)), list(range(11, 21))]
+    # prefill both (a chunk of 9, then the rest after a prefix), then batch-2 and batch-1 decodes
+    steps = [[_req("a", prompts[0][:9], 0, blocks[0]), _req("b", prompts[1], 0, blocks[1])],
+             [_req("a", prompts[0][9:], 9, blocks[0])]]
+    lens = [13, 6]
+    for step in steps:
+        got = {name: _step_logits(r, step) for name, r in runners.items()}
+        assert torch.allclose(got["fast"], got["plain"], atol=5e-2, rtol=5e-2)
+    tokens = [got["plain"][0].argmax().item()]
+    last_b = 0
+    for i in range(6):
+        batch = [_req("a", [tokens[-1]], lens[0], blocks[0])]
+        if i < 3:  # batch of 2 (two-row linears), then batch of 1
+            batch.append(_req("b", [last_b], lens[1], blocks[1]))
+        got = {name: _step_logits(r, batch) for name, r in runners.items()}
+        diff = (got["fast"] - got["plain"]).abs().max().item()
+        assert torch.allclose(got["fast"], got["plain"], atol=5e-2, rtol=5e-2), diff
+        tokens.append(got["plain"][0].argmax().item())
+        lens[0] += 1
+        if i < 3:
+            last_b = got["plain"][1].argmax().item()
+            lens[1] += 1
