@@ -19,10 +19,14 @@ Modes
                                   awaited, blocks published per chunk, store reads while the
                                   request queues, load or recompute by cost
   real  the real cluster on this machine (P prefill + D decode processes, --cpu-affinity),
-        usage.cached_tokens from the front, device/store split from worker counters
+        usage.cached_tokens from the front, device/store split from worker counters. The
+        policies alternate over --rounds rounds (A B, then B A, ...), each run on a fresh
+        cluster and an empty store, so a shared machine's load drifts over both alike; the
+        JSON has every run and the pooled figures per policy.
 
     .venv/bin/python benchmarks/store_routing_bench.py sim --prefill 8 --decode 8 --rate 40
-    .venv/bin/python benchmarks/store_routing_bench.py real --prefill 2 --decode 1 --rate 1
+    .venv/bin/python benchmarks/store_routing_bench.py real --prefill 2 --decode 1 \
+        --workload skewed --rate 0.4 --num-requests 24 --rounds 2
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -291,7 +296,8 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
                           "least-compute (no prefix tracking)":
                               ("least-compute", {"track_prefixes": False}, True)}[label]
     store_dir = os.path.join(args.store_root, label.replace(" ", "_").replace("+", "_"))
-    os.makedirs(store_dir, exist_ok=True)
+    shutil.rmtree(store_dir, ignore_errors=True)  # every run starts from an empty store
+    os.makedirs(store_dir)
     engine = EngineConfig(dtype=args.dtype, num_kv_blocks=2048, num_threads=1, seed=0)
     client = DisaggClient(engine, ClusterConfig(
         num_prefill_workers=args.prefill, num_decode_workers=args.decode,
@@ -325,6 +331,8 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
         await asyncio.sleep(1.0)  # last reports
         counters = {wid: h.counters for wid, h in client.workers.items()
                     if h.role == "prefill"}
+        routed = dict(sorted(client.prefill_router.num_routed.items()))
+        suspensions = client.num_suspended
     finally:
         await client.shutdown()
     row = summarize(label, results, store_tokens=sum(c.store_hit_tokens + c.host_hit_tokens
@@ -334,9 +342,37 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
                                     for w, c in counters.items()})
     row["worker_counters"] = {w: {"device": c.device_hit_tokens, "store": c.store_hit_tokens,
                                   "host": c.host_hit_tokens, "query": c.prefix_query_tokens,
-                                  "published_early": c.store_blocks_published}
+                                  "published_early": c.store_blocks_published,
+                                  "loads_skipped": c.store_loads_skipped,
+                                  "read_timeouts": getattr(c, "store_read_timeouts", 0),
+                                  "await_tokens": c.store_await_tokens}
                               for w, c in counters.items()}
+    row["routed"], row["worker_suspensions"] = routed, suspensions
+    row["ttft_s"] = [r.ttft_s for r in results if r.success]
+    row["load_avg_1m_after"] = os.getloadavg()[0]
     return row
+
+
+def pool_rows(label: str, rows: list[dict]) -> dict:
+    """One policy's runs together: percentiles over every request, tokens summed."""
+    ttft = np.array([t for r in rows for t in r["ttft_s"]] or [math.nan])
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    by_worker: dict[str, int] = {}
+    for r in rows:
+        for w, n in r["prefill_tokens_by_worker"].items():
+            by_worker[w] = by_worker.get(w, 0) + n
+    work = np.array(list(by_worker.values()) or [0])
+    out = {"policy": f"{label} (pooled)", "num_runs": len(rows),
+           "num_ok": sum(r["num_ok"] for r in rows),
+           "num_failed": sum(r["num_failed"] for r in rows),
+           "ttft_p50_s": float(np.percentile(ttft, 50)),
+           "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": float(ttft.mean()),
+           "prompt_tokens": prompt, "prefill_tokens_by_worker": dict(sorted(by_worker.items())),
+           "prefill_max_over_mean": float(work.max() / work.mean()) if work.mean() else 0.0}
+    for key in ("hit_tokens", "store_hit_tokens", "device_hit_tokens"):
+        out[key] = sum(r[key] for r in rows)
+    out["hit_rate"] = out["hit_tokens"] / prompt if prompt else 0.0
+    return out
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -356,6 +392,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="real: worker dtype")
     p.add_argument("--store-root", default="/tmp/deepinfer-store-routing-bench")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="real: runs per policy, alternating the order (A B, B A, ...)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
 
@@ -368,8 +406,7 @@ def main() -> None:
     if args.workload in ("convo", "both"):
         convs = max(1, num // 5)
         workloads["convo"] = conversation_workload(convs, 5, rate / 5, args.seed)
-    labels = (["cache-affinity", "least-compute (no prefix tracking)", "least-compute+store"]
-              if real else list(SIM_POLICIES))
+    labels = (["cache-affinity", "least-compute+store"] if real else list(SIM_POLICIES))
     if args.policies:
         labels = [s.strip() for s in args.policies.split(",")]
     out = {"mode": args.mode, "prefill_workers": args.prefill, "decode_workers": args.decode,
@@ -378,11 +415,22 @@ def main() -> None:
     if not real:
         out.update(store_gb_s=args.store_gb_s, store_latency_ms=args.store_latency_ms,
                    cost_profile=os.path.relpath(PROFILE, ROOT))
+    if real:
+        out["rounds"] = args.rounds
+        out["cpus"] = os.cpu_count()
     for name, requests in workloads.items():
         rows = []
-        for label in labels:
-            rows.append(asyncio.run(run_real(label, requests, args)) if real
-                        else run_sim(label, requests, args))
+        if real:
+            for r in range(args.rounds):
+                for label in (labels if r % 2 == 0 else labels[::-1]):
+                    row = asyncio.run(run_real(label, requests, args))
+                    row["round"] = r
+                    rows.append(row)
+                    print_table(f"{name} round {r}", [row])
+            rows += [pool_rows(label, [x for x in rows if x["policy"] == label])
+                     for label in labels]
+        else:
+            rows = [run_sim(label, requests, args) for label in labels]
         out["runs"][name] = rows
         print_table(f"{name}: {len(requests)} requests, {args.prefill}P/{args.decode}D "
                     f"({args.mode})", rows)

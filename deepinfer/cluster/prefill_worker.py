@@ -73,7 +73,8 @@ class PrefillWorkerLoop(WorkerLoop):
         self._prefilling: dict[str, _Prefilling] = {}
         self.staging = StagingBudget(spec.max_staged_bytes, engine.cache.spec.bytes_per_block,
                                      engine.config.block_size)
-        self._held: deque[PrefillRequest] = deque()  # waiting for staging room (FIFO)
+        self._held: deque[PrefillRequest] = deque()  # for store reads or staging room (FIFO)
+        self._waiting_for_room = False  # a held prompt whose reads are done does not fit
         self._jobs: dict[str, PrefetchJob] = {}  # store reads of held requests
         self.prefetcher = (KVPrefetcher(lambda h: fetch_with_tier(tier.store, h),
                                         tier.store.contains) if tier is not None else None)
@@ -179,6 +180,7 @@ class PrefillWorkerLoop(WorkerLoop):
             if self._admit(message):
                 self.staging.promise(message.request_id, need)
         self._held = still
+        self._waiting_for_room = full
 
     def _load_prefetched(self, message: PrefillRequest) -> tuple[int, int]:
         """Write the prefetched blocks into the device cache: (store tokens, host tokens)."""
@@ -329,9 +331,11 @@ class PrefillWorkerLoop(WorkerLoop):
 
     def staging_load(self) -> tuple[int, int]:
         staged = self.transport.stats().staged_bytes
-        # Prompts held back count as well: the worker is full while any wait for room.
+        # Prompts held back for room count as well: the worker is full while any wait for
+        # it. Prompts held only for their store reads do not: that worker is not full, and
+        # reporting it so sent routers elsewhere (cache affinity off its own worker).
         used = self.staging.used_bytes(staged)
-        if self._held:
+        if self._waiting_for_room:
             used = max(used, self.staging.capacity_bytes)
         return used, self.staging.capacity_bytes
 

@@ -186,6 +186,9 @@ def test_a_hung_store_read_is_not_waited_for_and_the_next_prompt_skips_the_store
     # hangs.
     q = shared[:3 * BS] + prompt(5, 8)
     b.handle(PrefillRequest("q", q, PARAMS, 0.0))
+    report = b.load_report()  # q waits for its read: waiting load, but b's staging has room
+    assert report.num_waiting_reqs == 1 and not b.engine.scheduler.requests
+    assert report.kv_staged_bytes < report.kv_staging_capacity_bytes
     first_q = run_until_done(b, "q")  # before the fix: held until the gate opens
     assert gated.num_reads_started == 1 and not gated.gate.is_set()
     c = b.counters
