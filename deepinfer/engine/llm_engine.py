@@ -257,12 +257,11 @@ class LLMEngine:
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 state.num_cached_tokens = self.scheduler.requests[s.request_id].num_cached_tokens or 0
-        if self.mm_images is not None:  # encode the images this step's chunks cover
-            self.mm_images.prepare(sched_out.scheduled, self.scheduler.requests)
         try:
             result = self._execute(sched_out)
         except Exception as exc:
             if not self.isolate_step_faults:
+                self._undo_step(sched_out)  # whoever catches this may step again
                 raise
             self._recover_failed_step(sched_out, exc)
             return []
@@ -283,7 +282,10 @@ class LLMEngine:
         return outputs
 
     def _execute(self, output) -> StepResult:
+        """Run one step's batch (also a failed step's requests alone, to pin the fault)."""
         self.debug_fault.check(output)
+        if self.mm_images is not None:  # encode the images this step's chunks cover
+            self.mm_images.prepare(output.scheduled, self.scheduler.requests)
         return self.runner.execute(output)
 
     def _recover_failed_step(self, output, exc: Exception) -> None:
@@ -294,13 +296,11 @@ class LLMEngine:
         self._num_failed_steps_in_row += 1
         if self._num_failed_steps_in_row > MAX_FAILED_STEPS_IN_ROW:
             logger.error("%d engine steps in a row failed; giving up", MAX_FAILED_STEPS_IN_ROW)
+            self._undo_step(output)
             raise exc
         logger.exception("engine step failed (%d requests scheduled)", len(output.scheduled))
         culprits = pin_step_fault(self._execute, output, exc)
-        self.scheduler.reset_failed_step(output)
-        if self.speculator is not None:  # drafter state of the undone step is stale
-            self.speculator.forget([s.request_id for s in output.scheduled]
-                                   + output.preempted_request_ids + output.finished_request_ids)
+        self._undo_step(output)
         if culprits:
             failed = {}
             for child_id, error in culprits.items():
@@ -318,7 +318,15 @@ class LLMEngine:
         for request_id in list(self._states):
             self._fail(request_id, f"an engine step failed ({error}); every request in flight "
                                    "was stopped and the engine was reset", engine_fault=True)
-        self.scheduler.kv.pool.reset_prefix_cache()  # nothing in use now: drop partial blocks
+        self.scheduler.kv.pool.reset_prefix_cache()  # nothing in use: start from a clean cache
+
+    def _undo_step(self, output) -> None:
+        """Nothing of a failed step is applied: its requests are recomputed, and no block it
+        left partial stays in the prefix cache."""
+        self.scheduler.reset_failed_step(output)
+        if self.speculator is not None:  # drafter state of the undone step is stale
+            self.speculator.forget([s.request_id for s in output.scheduled]
+                                   + output.preempted_request_ids + output.finished_request_ids)
 
     def _fail(self, request_id: str, message: str, engine_fault: bool = False) -> None:
         self.abort_request([request_id])
@@ -339,7 +347,17 @@ class LLMEngine:
             if state is None:
                 continue
             seq = state.sequences[child_id]
-            self._append_tokens(child_id, seq, token_ids, result, ended.get(child_id))
+            try:
+                self._append_tokens(child_id, seq, token_ids, result, ended.get(child_id))
+            except Exception as exc:  # e.g. its detokenizer: this request's fault alone
+                if not self.isolate_step_faults:
+                    raise
+                logger.exception("request %s: output processing failed", state.request_id)
+                self._fail(state.request_id, f"the engine failed on this request's output "
+                                             f"({describe(exc)}); other requests were not "
+                                             "affected")
+                touched.pop(state.request_id, None)
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now

@@ -84,6 +84,25 @@ def test_fault_pinned_on_one_request_leaves_the_others_exact(fault_llm):
 
 
 @pytest.mark.slow
+def test_output_processing_fault_fails_only_its_request(fault_llm):
+    engine = fault_llm.engine
+    (want_a,) = reference(fault_llm, [PROMPT_A])
+    engine.add_request("a", PROMPT_A, GREEDY)
+    engine.add_request("bad", PROMPT_B, GREEDY)
+
+    def broken_detokenizer(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    engine._states["bad"].sequences["bad"].detokenizer.add_tokens = broken_detokenizer
+    done = run_until_idle(engine)
+    failures = engine.take_request_failures()
+    assert [(f.request_id, f.engine_fault) for f in failures] == [("bad", False)]
+    assert "UnicodeDecodeError" in failures[0].message
+    assert done == {"a": want_a}
+    assert_engine_idle(fault_llm)
+
+
+@pytest.mark.slow
 def test_unpinned_fault_fails_all_in_flight_and_the_engine_keeps_serving(fault_llm,
                                                                           monkeypatch):
     engine = fault_llm.engine
@@ -125,7 +144,7 @@ def test_unpinned_fault_fails_all_in_flight_and_the_engine_keeps_serving(fault_l
 
 # --- over HTTP --------------------------------------------------------------------------------
 
-LONG = {"prompt": PROMPT_A, "max_tokens": 24, "ignore_eos": True, "temperature": 0,
+LONG = {"prompt": PROMPT_A, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
         "return_token_ids": True}
 
 
@@ -168,7 +187,7 @@ def _failures(samples: dict[str, float], reason: str) -> float:
 def test_injected_fault_over_http_fails_one_request_only(small_server, engine_base_llm):
     url = small_server.url
     expected = OfflineReference(engine_base_llm).generate(
-        token_prompts([PROMPT_A]), SamplingParams(temperature=0.0, max_tokens=24,
+        token_prompts([PROMPT_A]), SamplingParams(temperature=0.0, max_tokens=12,
                                                   ignore_eos=True))[0].outputs[0].token_ids
     before = scrape_metrics(url)
     pid = small_server.engine_pid()
