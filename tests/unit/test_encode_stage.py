@@ -1,0 +1,115 @@
+"""EncodeStage at the front, with its worker processes replaced by sockets the test reads: a
+request goes to the least-loaded encode worker, its EncodeDone (in a report) finishes it, a
+failed encode is a ValueError, and a lost worker's request is sent once to another worker."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+                                               EncodeWorkerReport)
+from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
+from deepinfer.cluster.encode_worker import EncodeWorkerSpec
+from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.server.engine_client import EngineDeadError
+
+
+def mm(*hashes: str) -> MultiModalInputs:
+    pixels = PixelArray.from_numpy(np.zeros((3, 2, 2), dtype=np.float32))
+    return MultiModalInputs([ImagePlaceholder(h, 10 * i, 5) for i, h in enumerate(hashes)],
+                            [pixels] * len(hashes))
+
+
+class Stage:
+    """An EncodeStage whose two 'workers' are PULL sockets in this test."""
+
+    def __init__(self):
+        self.stage = EncodeStage(None, EncodeStageConfig(num_workers=2, kv_store_url="fs"))
+        self.inboxes = {}
+        for i in range(2):
+            sock = self.stage._ctx.socket(zmq.PUSH)
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            spec = EncodeWorkerSpec(f"encode-{i}", None, f"tcp://127.0.0.1:{port}", "")
+            self.stage.workers[spec.worker_id] = _EncodeWorker(spec, sock, ready=True)
+            inbox = self.stage._ctx.socket(zmq.PULL)
+            inbox.connect(f"tcp://127.0.0.1:{port}")
+            self.inboxes[spec.worker_id] = inbox
+        self.decoder = msgspec.msgpack.Decoder(EncodeImages)
+
+    async def received(self, worker_id: str) -> EncodeImages:
+        return self.decoder.decode(await asyncio.wait_for(self.inboxes[worker_id].recv(), 5))
+
+    def report(self, worker_id: str, done=(), images: int = 0, patches: int = 0) -> None:
+        self.stage._on_report(EncodeWorkerReport(worker_id, images, patches, EncodeCounters(), list(done)))
+
+    def close(self):
+        for inbox in self.inboxes.values():
+            inbox.close(linger=0)
+
+
+def run(coro_fn):
+    async def main():
+        stage = Stage()
+        try:
+            return await coro_fn(stage)
+        finally:
+            stage.close()
+            await stage.stage.shutdown()
+    return asyncio.run(main())
+
+
+def test_request_goes_to_least_loaded_worker_and_finishes_on_its_done():
+    async def go(s: Stage):
+        s.report("encode-0", patches=5000, images=4)
+        s.report("encode-1", patches=10, images=1)
+        task = asyncio.create_task(s.stage.encode("r1", mm("a", "b")))
+        msg = await s.received("encode-1")
+        assert msg.image_hashes == ["a", "b"] and msg.num_patches == 10
+        s.report("encode-0", done=[EncodeDone("r1", 2)])  # not the worker it went to: ignored
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        s.report("encode-1", done=[EncodeDone("r1", 2, encode_s=0.4)])
+        done = await task
+        assert done.num_images == 2 and s.stage.encode_time.count == 1
+        assert abs(s.stage.encode_time.sum - 0.2) < 1e-9 and s.stage.images_per_request.count == 1
+    run(go)
+
+
+def test_failed_encode_is_a_value_error():
+    async def go(s: Stage):
+        task = asyncio.create_task(s.stage.encode("bad", mm("x")))
+        msg = await s.received("encode-0")
+        s.report("encode-0", done=[EncodeDone(msg.request_id, 1, error="image encoding failed: boom")])
+        with pytest.raises(ValueError, match="boom"):
+            await task
+    run(go)
+
+
+def test_lost_worker_request_goes_once_to_another():
+    async def go(s: Stage):
+        task = asyncio.create_task(s.stage.encode("r", mm("a")))
+        await s.received("encode-0")
+        await s.stage._on_worker_lost("encode-0", "process exited (-9)")
+        await s.received("encode-1")  # sent again
+        s.report("encode-1", done=[EncodeDone("r", 1)])
+        assert (await task).request_id == "r"
+        assert s.stage.num_lost == 1 and s.stage.is_healthy
+        task = asyncio.create_task(s.stage.encode("r2", mm("b")))
+        await s.received("encode-1")
+        await s.stage._on_worker_lost("encode-1", "process exited (1)")
+        with pytest.raises(EngineDeadError, match="no encode worker available"):
+            await task
+        assert not s.stage.is_healthy
+    run(go)
+
+
+def test_images_without_pixels_cannot_be_encoded():
+    async def go(s: Stage):
+        with pytest.raises(ValueError, match="without pixel values"):
+            await s.stage.encode("r", mm("a").without_pixels())
+    run(go)
