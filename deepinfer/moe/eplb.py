@@ -162,19 +162,27 @@ def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num
 
 def _node_candidates(load: np.ndarray, num_slots: int,
                      num_ranks: int) -> tuple[list[np.ndarray], float]:
-    """Candidate layouts of one node and the peak bound they must meet (the greedy layout's
-    and the once-each layout's: never worse than DeepSeek's greedy nor than no replicas)."""
+    """Candidate layouts of one node and the peak bound they must meet: the greedy layout's
+    (never worse than DeepSeek's greedy) and the plan without replicas (never worse than
+    serving without redundant experts)."""
     greedy = _replicate_and_pack(load, num_slots, num_ranks, refine=False)
     candidates = [greedy, _replicate_and_pack(load, num_slots, num_ranks)]
     bound = _peak(load, greedy, num_ranks)
     if load.shape[0] % num_ranks == 0:
-        once = _pack_then_replicate(load, num_slots, num_ranks, False)
-        candidates += [once, _pack_then_replicate(load, num_slots, num_ranks)]
+        # The plan without replicas: every expert once, by the drift-best of the greedy and
+        # the swap-refined packing (the tightest fit to one window is not always the best).
+        packings = [pack_items(load, num_ranks, refine=refine) for refine in (False, True)]
+        layouts = [np.argsort(p, kind="stable") for p in packings]  # rank-major experts
+        nr_bound = _peak(load, layouts[0], num_ranks)
+        scores = [_drift_peak(load, layout, num_ranks) for layout in layouts]
+        rank_of = packings[int(np.argmin(scores))] if \
+            _peak(load, layouts[1], num_ranks) <= nr_bound else packings[0]
+        once = _pack_then_replicate(load, num_slots, num_ranks, False, rank_of)
+        candidates += [once, _pack_then_replicate(load, num_slots, num_ranks, True, rank_of)]
         bound = min(bound, _peak(load, once, num_ranks))
-        # Packing every expert once can fit one window a hair tighter than the replicated
-        # layouts and so bound them out, yet whole hot experts swing the next window's peak:
-        # split hot experts of the tight packing into replicas while the bound holds.
-        candidates.append(_pack_then_split(load, num_slots, num_ranks))
+        # Whole hot experts swing the next window's peak: split hot experts of the once-each
+        # packing into replicas (all at once, or one at a time while the bound holds).
+        candidates.append(_pack_then_split(load, num_slots, num_ranks, rank_of))
         candidates.append(_split_within(load, once, num_ranks, bound))
     return candidates, bound
 
@@ -223,13 +231,14 @@ def _replicate_and_pack(load: np.ndarray, num_slots: int, num_ranks: int,
 
 
 def _pack_then_replicate(load: np.ndarray, num_slots: int, num_ranks: int,
-                         add_replicas: bool = True) -> np.ndarray:
+                         add_replicas: bool = True,
+                         rank_of: np.ndarray | None = None) -> np.ndarray:
     """Pack every expert once, then fill each rank's spare slots: with a replica of a hot
     expert where that does not raise the peak, else with a repeat of one of the rank's own
     experts. With `add_replicas=False` only repeats are used, which leaves every rank's load
     exactly as without replicas: the candidate that makes redundancy never balance worse."""
     num_experts = load.shape[0]
-    rank_of = pack_items(load, num_ranks)
+    rank_of = pack_items(load, num_ranks) if rank_of is None else rank_of
     slots_per_rank = num_slots // num_ranks
     layout = [sorted(np.flatnonzero(rank_of == r).tolist(), key=lambda e: -load[e])
               for r in range(num_ranks)]
@@ -271,7 +280,8 @@ def _pack_then_replicate(load: np.ndarray, num_slots: int, num_ranks: int,
     return np.concatenate([np.asarray(slots, dtype=np.int64) for slots in layout])
 
 
-def _pack_then_split(load: np.ndarray, num_slots: int, num_ranks: int) -> np.ndarray:
+def _pack_then_split(load: np.ndarray, num_slots: int, num_ranks: int,
+                     rank_of: np.ndarray | None = None) -> np.ndarray:
     """Every expert once on the ranks of the tight once-each packing, the extra replicas
     (`replicate`'s counts) heaviest first onto the lightest rank with room that does not
     hold the expert, then swap refinement without co-located replicas."""
@@ -281,7 +291,7 @@ def _pack_then_split(load: np.ndarray, num_slots: int, num_ranks: int) -> np.nda
     weights = load[local] / counts[local]
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each expert's first replica
     pack_of = np.full(num_slots, -1, dtype=np.int64)
-    pack_of[first] = pack_items(load, num_ranks)
+    pack_of[first] = pack_items(load, num_ranks) if rank_of is None else rank_of
     capacity = num_slots // num_ranks
     size = np.bincount(pack_of[first], minlength=num_ranks)
     pack_load = np.bincount(pack_of[first], weights[first], minlength=num_ranks)
@@ -308,11 +318,20 @@ def _split_within(load: np.ndarray, once: np.ndarray, num_ranks: int,
     num_experts, num_slots = load.shape[0], once.shape[0]
     rank_of_slot = np.arange(num_slots) // (num_slots // num_ranks)
     slots = once.copy()
-    for expert in np.argsort(-load, kind="stable")[:num_slots - num_experts]:
+    failed: set[int] = set()
+    while True:  # the hottest expert per replica next; an expert that failed is not retried
+        per_replica = load / np.bincount(slots, minlength=num_experts)
+        order = [int(e) for e in np.argsort(-per_replica, kind="stable") if int(e) not in failed]
+        if not order or per_replica[order[0]] <= 0:
+            return slots
+        expert = order[0]
         held = np.zeros((num_ranks, num_experts), dtype=np.int64)
         np.add.at(held, (rank_of_slot, slots), 1)
         spots = np.flatnonzero((held[rank_of_slot, slots] > 1) & (held[rank_of_slot, expert] == 0))
         if spots.size == 0:
+            if not np.any(held[rank_of_slot, slots] > 1):
+                return slots  # no repeat left to turn into a replica
+            failed.add(expert)
             continue
         rank_load = _rank_loads(load, slots, num_ranks)
         trial = slots.copy()
@@ -324,7 +343,8 @@ def _split_within(load: np.ndarray, once: np.ndarray, num_ranks: int,
         trial = trial[np.argsort(pack_of, kind="stable")]
         if _peak(load, trial, num_ranks) <= bound + eps:
             slots = trial
-    return slots
+        else:
+            failed.add(expert)
 
 
 def _rank_loads(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> np.ndarray:
