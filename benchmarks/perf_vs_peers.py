@@ -243,9 +243,9 @@ def workload(quick: bool) -> dict:
             "ttft_len": 512, "reps": 3, "w1_reps": 1}
 
 
-def table(engines: dict, bound: dict) -> str:
+def table(engines: dict, bound: dict, ttft_len: int = 512) -> str:
     ref = engines.get("llama.cpp")
-    head = ("| engine | W1 output tok/s | batch-1 decode tok/s | 512-token TTFT |"
+    head = (f"| engine | W1 output tok/s | batch-1 decode tok/s | {ttft_len}-token TTFT |"
             " W1 vs llama.cpp | batch-1 vs llama.cpp | TTFT speed-up vs llama.cpp |")
     lines = [head, "|---|---|---|---|---|---|---|"]
     rows = dict(engines)
@@ -336,7 +336,7 @@ def main() -> int:
         per_round.append(got)
     best = summarise(per_round)
     bound = bounds(shape, peaks, w)
-    print(table(best, bound))
+    print(table(best, bound, w["ttft_len"]))
     report = {"workload": w, "threads": args.threads, "rounds": per_round, "best": best,
               "machine": dict(peaks, cpu_count=os.cpu_count(), platform=platform.platform(),
                               load_before=load_before, load_after=_loadavg()),
