@@ -49,3 +49,12 @@ def test_no_encode_stage_without_the_flag():
         assert client.encode_stage is None
     finally:
         asyncio.run(client.shutdown())
+
+
+def test_serve_exits_2_with_one_line_on_bad_encode_flags(capsys):
+    from deepinfer.cli.main import main
+    from tests.integration.serve_process import free_port
+
+    code = main(["serve", "--port", str(free_port()), "--encode-workers", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--encode-workers needs --prefill-workers" in err and len(err.splitlines()) == 1, err
