@@ -30,12 +30,12 @@ class TraceWindow:
     num_recorded: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     ops: list[dict] = field(default_factory=list)  # key_averages rows, filled when it closes
-    trace_path: str | None = None
+    trace_path: str | None = None  # set when the window closes (it never reopens)
     ops_path: str | None = None
 
     @property
     def done(self) -> bool:
-        return self.num_recorded >= self.num_steps
+        return self.num_recorded >= self.num_steps or self.trace_path is not None
 
 
 def step_kind(output: SchedulerOutput) -> str | None:
@@ -70,7 +70,7 @@ class StepTrace:
         def traced(output: SchedulerOutput):
             window = self.windows.get(step_kind(output))
             if self._open is not None and self._open[0] is not window:
-                self._finish()  # a step of another kind ends the window early
+                self._finish()  # a step of another kind ends the window (shorter than asked)
             if window is None or window.done or window.num_seen < window.num_skip:
                 if window is not None:
                     window.num_seen += 1

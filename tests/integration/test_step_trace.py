@@ -24,6 +24,25 @@ def test_step_kind_separates_prefill_decode_and_speculative_decode():
     assert step_kind(SchedulerOutput([_req(5, num_draft=4)], 5)) == "decode"
 
 
+def test_a_window_cut_short_by_another_step_kind_does_not_reopen(tmp_path):
+    import torch
+
+    def execute(output):  # stands in for the runner: one real op per step
+        return torch.ones(4, 4) @ torch.ones(4, 4)
+
+    trace = StepTrace(str(tmp_path), decode_steps=3, decode_warmup=1)
+    traced = trace.wrap(execute)
+    prefill, decode = SchedulerOutput([_req(6)], 6), SchedulerOutput([_req(1), _req(1)], 2)
+    for out in (prefill, decode, decode, prefill, decode, decode):
+        traced(out)
+    windows = {w.name: w for w in trace.close()}
+    assert windows["prefill"].num_recorded == 1
+    # warm-up 1, recorded 1, then a prefill step closed the window: later decodes stay out.
+    assert windows["decode"].num_recorded == 1 and windows["decode"].batch_sizes == [2]
+    names = _assert_valid_trace(windows["decode"].trace_path)
+    assert "deepinfer_step[decode]" in names
+
+
 def test_top_ops_table_orders_by_cpu_or_gpu_time_per_step():
     ops = [{"name": "aten::mm", "count": 4, "self_cpu_us": 1000.0, "self_device_us": 8000.0},
            {"name": "aten::copy_", "count": 4, "self_cpu_us": 3000.0, "self_device_us": 10.0}]
