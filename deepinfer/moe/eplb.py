@@ -141,12 +141,18 @@ def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num
     choice matters only where it can hold the layer's busiest rank)."""
     ranks_per_node = num_ranks // num_nodes
     slots_per_node = num_physical // num_nodes
-    options = []  # per node: feasible layouts as global expert ids
+    nodes = []  # (experts, node load, candidates, greedy peak, no-replica peak)
     for node in range(num_nodes):
         experts = np.concatenate([np.arange(g * group_size, (g + 1) * group_size)
                                   for g in np.flatnonzero(group_node == node)])
         node_load = load[experts]
-        candidates, bound = _node_candidates(node_load, slots_per_node, ranks_per_node)
+        nodes.append((experts, node_load,
+                      *_node_candidates(node_load, slots_per_node, ranks_per_node)))
+    # Only the layer's busiest rank counts: every node may use any layout within the layer's
+    # bound (the greedy layer's peak and the no-replica layer's), not only within its own.
+    bound = min(max(n[3] for n in nodes), max(n[4] for n in nodes))
+    options = []  # per node: feasible layouts as global expert ids, best drift first
+    for experts, node_load, candidates, _, _ in nodes:
         local = _feasible(candidates, node_load, ranks_per_node, bound)
         scores = [_drift_peak(node_load, c, ranks_per_node) for c in local]
         options.append([experts[local[i]] for i in np.argsort(scores, kind="stable")])
@@ -161,13 +167,13 @@ def _plan_nodes(load: np.ndarray, group_node: np.ndarray, num_physical: int, num
 
 
 def _node_candidates(load: np.ndarray, num_slots: int,
-                     num_ranks: int) -> tuple[list[np.ndarray], float]:
-    """Candidate layouts of one node and the peak bound they must meet: the greedy layout's
-    (never worse than DeepSeek's greedy) and the plan without replicas (never worse than
-    serving without redundant experts)."""
+                     num_ranks: int) -> tuple[list[np.ndarray], float, float]:
+    """Candidate layouts of one node, the greedy layout's peak (DeepSeek's greedy) and the
+    peak without replicas (inf when experts do not split evenly over the ranks); a plan may
+    be no worse than either."""
     greedy = _replicate_and_pack(load, num_slots, num_ranks, refine=False)
     candidates = [greedy, _replicate_and_pack(load, num_slots, num_ranks)]
-    bound = _peak(load, greedy, num_ranks)
+    greedy_peak, no_replica_peak = _peak(load, greedy, num_ranks), float("inf")
     if load.shape[0] % num_ranks == 0:
         # The plan without replicas: every expert once, by the drift-best of the greedy and
         # the swap-refined packing (the tightest fit to one window is not always the best).
@@ -179,12 +185,13 @@ def _node_candidates(load: np.ndarray, num_slots: int,
             _peak(load, layouts[1], num_ranks) <= nr_bound else packings[0]
         once = _pack_then_replicate(load, num_slots, num_ranks, False, rank_of)
         candidates += [once, _pack_then_replicate(load, num_slots, num_ranks, True, rank_of)]
-        bound = min(bound, _peak(load, once, num_ranks))
+        no_replica_peak = _peak(load, once, num_ranks)
         # Whole hot experts swing the next window's peak: split hot experts of the once-each
         # packing into replicas (all at once, or one at a time while the bound holds).
         candidates.append(_pack_then_split(load, num_slots, num_ranks, rank_of))
-        candidates.append(_split_within(load, once, num_ranks, bound))
-    return candidates, bound
+        candidates.append(_split_within(load, once, num_ranks,
+                                        min(greedy_peak, no_replica_peak)))
+    return candidates, greedy_peak, no_replica_peak
 
 
 def _feasible(candidates: list[np.ndarray], load: np.ndarray, num_ranks: int,
@@ -319,7 +326,8 @@ def _split_within(load: np.ndarray, once: np.ndarray, num_ranks: int,
     rank_of_slot = np.arange(num_slots) // (num_slots // num_ranks)
     slots = once.copy()
     failed: set[int] = set()
-    while True:  # the hottest expert per replica next; an expert that failed is not retried
+    while len(failed) <= 2 * (num_slots - num_experts):  # bounded work per node
+        # The hottest expert per replica next; an expert that failed is not retried.
         per_replica = load / np.bincount(slots, minlength=num_experts)
         order = [int(e) for e in np.argsort(-per_replica, kind="stable") if int(e) not in failed]
         if not order or per_replica[order[0]] <= 0:
@@ -345,6 +353,7 @@ def _split_within(load: np.ndarray, once: np.ndarray, num_ranks: int,
             slots = trial
         else:
             failed.add(expert)
+    return slots
 
 
 def _rank_loads(load: np.ndarray, slots: np.ndarray, num_ranks: int) -> np.ndarray:
