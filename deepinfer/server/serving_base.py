@@ -78,6 +78,10 @@ class StreamCursor:
     num_chars: int = 0
     started: bool = False
     done: bool = False
+    # Where the next token's text starts, summed over the tokens' own texts (logprobs'
+    # text_offset): `num_chars` lags behind while text is held back for a stop string or an
+    # incomplete character, so offsets counted from it would be wrong.
+    token_text_offset: int = 0
 
     def advance(self, choice: ChoiceState) -> NewOutput | None:
         """None when there is nothing new (or the choice's final chunk was already sent)."""

@@ -158,7 +158,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return None
         logprobs = None
         if request.logprobs is not None:
-            logprobs = self._logprobs(choice.logprobs[new.token_start:], new.char_start)
+            logprobs = self._logprobs(choice.logprobs[new.token_start:], cursor.token_text_offset)
+            if logprobs.text_offset:  # the same offsets as the whole response's
+                cursor.token_text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         return CompletionResponse(id=response_id, model=self.model_name, choices=[
             CompletionChoice(
                 index=index, text=choice.text[new.char_start:], logprobs=logprobs,

@@ -17,14 +17,17 @@ from hypothesis import strategies as st
 
 from deepinfer.core.request import RequestStatus
 from deepinfer.core.scheduler import SchedulerUpdate
-from deepinfer.core.scheduler_output import StepResult
+from deepinfer.core.scheduler_output import StepResult, TokenLogprobs
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, RequestMetrics
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_proc import OutputDeltaTracker
-from deepinfer.server.serving_base import ChoiceState, StreamCursor
+from deepinfer.server.admission import AdmissionGate
+from deepinfer.server.protocol import CompletionRequest
+from deepinfer.server.serving_base import ChoiceState, EngineRequestState, StreamCursor
+from deepinfer.server.serving_completion import OpenAIServingCompletion
 
 # Byte-level vocabulary: ASCII pieces, whole multi-byte characters and their fragments.
 _PIECES = [b"a", b"b", b"c", b"ab", b"bc", b"ca", b" ", b"\n", "é".encode(), "é".encode()[:1],
@@ -43,6 +46,8 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return b"".join(VOCAB[i] for i in ids if not (skip_special_tokens and i == EOS)
                         ).decode("utf-8", errors="replace")
+
+
 
 
 @dataclass
@@ -75,13 +80,19 @@ def add_state(engine: LLMEngine, request_id: str, prompt: list[int], params: Sam
     for i in range(params.n):
         child = request_id if params.n == 1 else f"{request_id}#{i}"
         detok = IncrementalDetokenizer.for_request(engine.tokenizer, prompt, params)
-        output = CompletionOutput(i, "", [])
+        output = CompletionOutput(i, "", [], logprobs=[], cumulative_logprob=0.0)
         if first_token_ids is not None:  # decode worker: the prefill worker's first token
             detok.add_tokens([first_token_ids[child]])
-            output = CompletionOutput(i, detok.text, [first_token_ids[child]])
+            output = CompletionOutput(i, detok.text, [first_token_ids[child]],
+                                      logprobs=[token_logprobs(first_token_ids[child])],
+                                      cumulative_logprob=-1.0)
         state.sequences[child] = SequenceState(i, detok, output)
     engine.adopt_request_state(state)
     return state
+
+
+def token_logprobs(token_id: int) -> TokenLogprobs:
+    return TokenLogprobs(token_id, -1.0, 1, [token_id], [-1.0])
 
 
 @dataclass
@@ -116,20 +127,46 @@ def run_steps(engine: LLMEngine, plan: Plan, tracker: OutputDeltaTracker,
                     stop_token_id=EOS if eos else None))
         if not update.new_token_ids:
             return
-        yield [tracker.to_delta(o) for o in engine._process(update, StepResult({}), 0.0)]
+        result = StepResult({}, verified_logprobs={
+            child: [token_logprobs(t) for t in new] for child, new in update.new_token_ids.items()})
+        yield [tracker.to_delta(o) for o in engine._process(update, result, 0.0)]
+
+
+class FakeClient:
+    tokenizer = ByteTokenizer()
+    vocab_size = EOS + 1
+    max_model_len = 1024
+    is_healthy = True
+
+
+SERVING = OpenAIServingCompletion(FakeClient(), None, ["m"], AdmissionGate(None, lambda: 0))
+STREAM_REQUEST = CompletionRequest(prompt=[0], logprobs=1, stream=True)
+SENT_OFFSETS: dict[int, list[int]] = {}  # choice index -> logprobs text_offset streamed
 
 
 def stream_text(choice_states, cursors, deltas) -> list[str]:
-    """What the front streams for these deltas (chunk texts per choice)."""
+    """What the completions endpoint streams for these deltas (chunk texts per choice); the
+    chunks' logprobs text offsets go to SENT_OFFSETS."""
     sent = [[] for _ in choice_states]
+    state = EngineRequestState("r", [0], choice_states)
     for delta in deltas:
         for c in delta.choices:
             choice_states[c.index].apply(c)
         for choice in choice_states:
-            new = cursors[choice.index].advance(choice)
-            if new is not None:
-                sent[choice.index].append(choice.text[new.char_start:])
+            chunk = SERVING._chunk(STREAM_REQUEST, "cmpl", state, choice, choice.index,
+                                   cursors[choice.index])
+            if chunk is not None:
+                sent[choice.index].append(chunk.choices[0].text)
+                SENT_OFFSETS.setdefault(choice.index, []).extend(
+                    chunk.choices[0].logprobs.text_offset)
     return sent
+
+
+def assert_offsets_as_unstreamed(choice: ChoiceState) -> None:
+    """Streamed logprobs text offsets equal the non-streamed response's."""
+    want = SERVING._logprobs(choice.logprobs, 0).text_offset
+    assert SENT_OFFSETS.pop(choice.index, []) == want
+    assert len(choice.logprobs) == len(choice.token_ids)
 
 
 def expected_text(tokens: list[int], finish: str, params: SamplingParams
@@ -201,6 +238,7 @@ def cases(draw, max_n: int = 3):
 @given(cases())
 def test_streamed_text_equals_final_text(case):
     params, prompt, plan = case
+    SENT_OFFSETS.clear()
     engine = make_engine()
     state = add_state(engine, "r", prompt, params)
     tracker = OutputDeltaTracker()
@@ -215,6 +253,7 @@ def test_streamed_text_equals_final_text(case):
         final = seq.output.text
         assert seq.output.finished
         assert "".join(sent[seq.index]) == final == choices[seq.index].text
+        assert_offsets_as_unstreamed(choices[seq.index])
         want = expected_text(plan.streams[child], plan.finish[child], params)
         assert (final, seq.output.token_ids) == (want[0], plan.streams[child][:want[2]])
         if want[1] is not None:
@@ -227,6 +266,7 @@ def test_disaggregated_stream_equals_final_text(case):
     """The prefill worker streams the first token's delta; the decode worker resumes after
     the characters that delta carried (`num_text_chars_sent`)."""
     params, prompt, plan = case
+    SENT_OFFSETS.clear()
     tokens = plan.streams["r"]
     prefill = make_engine()
     add_state(prefill, "r", prompt, params)
@@ -242,7 +282,8 @@ def test_disaggregated_stream_equals_final_text(case):
         state = add_state(decode, "r", prompt, params, first_token_ids={"r": tokens[0]})
         tracker = OutputDeltaTracker()
         tracker.add_request("r", params)
-        tracker.resume("r", num_tokens=1, num_text_chars=len(first_deltas[0].choices[0].text))
+        tracker.resume("r", num_tokens=1, num_text_chars=len(first_deltas[0].choices[0].text),
+                       num_logprobs=1)  # as decode_worker does
         for deltas in run_steps(decode, plan, tracker, start=1):
             sent += stream_text(choices, cursors, deltas)[0]
         final = state.sequences["r"].output.text
@@ -250,5 +291,6 @@ def test_disaggregated_stream_equals_final_text(case):
         final = choices[0].text
     assert choices[0].finish_reason is not None
     assert "".join(sent) == final == choices[0].text
+    assert_offsets_as_unstreamed(choices[0])
     want = expected_text(tokens, plan.finish["r"], params)
     assert (final, choices[0].token_ids) == (want[0], tokens[:want[2]])
