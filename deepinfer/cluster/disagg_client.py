@@ -121,7 +121,8 @@ class DisaggClient:
                 num_workers=cluster.num_encode_workers, router=cluster.encode_router,
                 kv_store_url=cluster.store_url, cache_bytes=cluster.encode_cache_bytes,
                 host=cluster.host, ready_timeout_s=cluster.ready_timeout_s,
-                encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level))
+                encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level,
+                restart=cluster.restart_policy))
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)

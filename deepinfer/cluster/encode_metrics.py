@@ -86,6 +86,9 @@ class EncodeCollector:
         lost = CounterMetricFamily(PREFIX + "workers_lost", "Encode workers lost (process exited or failed).")
         lost.add_metric([], self.stage.num_lost)
         yield lost
+        restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Encode worker processes restarted.")
+        restarts.add_metric([], self.stage.supervisor.num_restarts["encode"])
+        yield restarts
 
 
 def engine_encode_metrics(stats):

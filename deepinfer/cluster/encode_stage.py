@@ -31,6 +31,7 @@ from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_RE
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
@@ -53,6 +54,7 @@ class EncodeStageConfig:
     encode_timeout_s: float = 120.0
     report_interval_s: float = 0.2
     log_level: str = "WARNING"
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # lost workers' restarts
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -108,6 +110,7 @@ class EncodeStage:
         self.images_per_request = BucketCounts(IMAGES_PER_REQUEST_BUCKETS)
         self.num_requests = 0
         self.num_lost = 0
+        self.supervisor = WorkerSupervisor(config.restart)  # restarts lost encode workers
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,14 +128,20 @@ class EncodeStage:
                 max_batch_images=c.max_batch_images, report_interval_s=c.report_interval_s,
                 log_level=c.log_level)
             worker = _EncodeWorker(spec, sock)
-            ctx = multiprocessing.get_context("spawn")
-            worker.proc = ctx.Process(target=run_encode_worker_proc, args=(spec,),
-                                      name=f"deepinfer-{spec.worker_id}", daemon=True)
-            worker.proc.start()
+            self._spawn(worker)
             self.workers[spec.worker_id] = worker
         await self._wait_ready()
+        now = time.monotonic()
+        for worker_id in self.workers:
+            self.supervisor.add_worker(worker_id, "encode", now)
         self._tasks = [asyncio.create_task(self._output_loop(), name="encode-output-loop"),
                        asyncio.create_task(self._health_loop(), name="encode-health-loop")]
+
+    def _spawn(self, worker: _EncodeWorker) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        worker.proc = ctx.Process(target=run_encode_worker_proc, args=(worker.spec,),
+                                  name=f"deepinfer-{worker.worker_id}", daemon=True)
+        worker.proc.start()
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -255,6 +264,8 @@ class EncodeStage:
                 continue
             if isinstance(message, EncodeWorkerReport):
                 self._on_report(message)
+            elif isinstance(message, EncodeWorkerReady):
+                self._on_restarted(message)
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_lost(message.worker_id, message.message.strip().splitlines()[-1])
 
@@ -276,10 +287,53 @@ class EncodeStage:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_CHECK_PERIOD_S)
-            for worker in list(self.workers.values()):
-                if worker.alive and worker.proc is not None and not worker.proc.is_alive():
-                    await self._on_worker_lost(worker.worker_id,
-                                               f"process exited ({worker.proc.exitcode})")
+            await self._check_workers(time.monotonic())
+
+    async def _check_workers(self, now: float) -> None:
+        """Lose exited workers; start due restarts; a replacement that exited or never became
+        ready is lost again (the supervisor's back-off and give-up decide what follows)."""
+        for worker in list(self.workers.values()):
+            if worker.alive and worker.proc is not None and not worker.proc.is_alive():
+                await self._on_worker_lost(worker.worker_id,
+                                           f"process exited ({worker.proc.exitcode})")
+        for worker_id in self.supervisor.start_overdue(now):
+            worker = self.workers[worker_id]
+            if worker.proc is not None and worker.proc.is_alive():
+                worker.proc.kill()
+            self._on_lost_for_good(worker, "restarted worker not ready in time")
+        for worker in self.workers.values():
+            if not worker.alive and self.supervisor.state(worker.worker_id) is WorkerState.STARTING \
+                    and worker.proc is not None and not worker.proc.is_alive():
+                self._on_lost_for_good(worker, f"restarted process exited ({worker.proc.exitcode})")
+        for worker_id in self.supervisor.due(now):
+            worker = self.workers[worker_id]
+            worker.ready, worker.counters = False, EncodeCounters()
+            self.supervisor.on_started(worker_id, now)
+            try:
+                self._spawn(worker)
+            except OSError as exc:
+                worker.proc = None
+                self._on_lost_for_good(worker, f"could not spawn: {exc}")
+                continue
+            logger.warning("restarting %s (pid %s)", worker_id, worker.proc.pid)
+
+    def _on_lost_for_good(self, worker: _EncodeWorker, reason: str) -> None:
+        decision = self.supervisor.on_lost(worker.worker_id, reason, time.monotonic())
+        if decision.gave_up:
+            logger.error("giving up on %s after %d restarts in a row (last loss: %s)",
+                         worker.worker_id, decision.num_consecutive, reason)
+
+    def _on_restarted(self, ready: EncodeWorkerReady) -> None:
+        """A restarted worker loaded its tower: routable again."""
+        worker = self.workers.get(ready.worker_id)
+        if worker is None or worker.alive or worker.proc is None or ready.pid != worker.proc.pid \
+                or self.supervisor.state(worker.worker_id) is not WorkerState.STARTING:
+            return  # a stale announcement of a process already replaced
+        worker.alive = worker.ready = True
+        worker.num_queued_images = worker.num_queued_patches = 0
+        self.router.add_worker(worker.worker_id)
+        self.supervisor.on_admitted(worker.worker_id, time.monotonic())
+        logger.warning("%s is back in routing", worker.worker_id)
 
     async def _on_worker_lost(self, worker_id: str, reason: str) -> None:
         """Out of routing for good; its requests go once more to another encode worker."""
@@ -305,4 +359,5 @@ class EncodeStage:
                     reason = f"{reason}; retry impossible: {exc}"
             pending.future.set_exception(EngineDeadError(f"encode worker {worker_id} was lost ({reason})"))
         worker.request_ids.clear()
+        self._on_lost_for_good(worker, reason)
 

@@ -57,7 +57,9 @@ def test_encode_stage_collector():
     worker = SimpleNamespace(worker_id="encode-0", alive=True, num_queued_images=2, num_queued_patches=1152,
                              counters=EncodeCounters(num_images=5, num_images_encoded=3, local_hits=1,
                                                      store_hits=1, misses=3, encode_seconds_total=0.6))
+    from collections import Counter
     stage = SimpleNamespace(workers={"encode-0": worker}, router=build_encode_router(), num_lost=0,
+                            supervisor=SimpleNamespace(num_restarts=Counter(encode=2)),
                             encode_time=BucketCounts(ENCODE_TIME_BUCKETS),
                             images_per_request=BucketCounts(IMAGES_PER_REQUEST_BUCKETS))
     stage.encode_time.observe(0.2)
@@ -69,3 +71,4 @@ def test_encode_stage_collector():
     assert 'deepinfer:encode_cache_hits_total{tier="store",worker_id="encode-0"} 1.0' in text
     assert 'deepinfer:encode_time_per_image_seconds_bucket{le="0.25"} 1.0' in text
     assert 'deepinfer:encode_images_per_request_count 1.0' in text
+    assert 'deepinfer:encode_worker_restarts_total 2.0' in text

@@ -36,6 +36,7 @@ class Stage:
             port = sock.bind_to_random_port("tcp://127.0.0.1")
             spec = EncodeWorkerSpec(f"encode-{i}", None, f"tcp://127.0.0.1:{port}", "")
             self.stage.workers[spec.worker_id] = _EncodeWorker(spec, sock, ready=True)
+            self.stage.supervisor.add_worker(spec.worker_id, "encode", 0.0)
             inbox = self.stage._ctx.socket(zmq.PULL)
             inbox.connect(f"tcp://127.0.0.1:{port}")
             self.inboxes[spec.worker_id] = inbox
@@ -112,4 +113,50 @@ def test_images_without_pixels_cannot_be_encoded():
     async def go(s: Stage):
         with pytest.raises(ValueError, match="without pixel values"):
             await s.stage.encode("r", mm("a").without_pixels())
+    run(go)
+
+
+class FakeProc:
+    def __init__(self, pid: int):
+        self.pid, self.exitcode, self.alive = pid, None, True
+
+    def is_alive(self):
+        return self.alive
+
+    def kill(self):
+        self.alive, self.exitcode = False, -9
+
+    def join(self, timeout=None):
+        self.alive = False
+
+
+def test_lost_worker_is_restarted_and_routed_to_once_ready():
+    from deepinfer.cluster.encode_messages import EncodeWorkerReady
+
+    async def go(s: Stage):
+        stage = s.stage
+        pids = iter(range(1000, 2000))
+
+        def spawn(worker):
+            worker.proc = FakeProc(next(pids))
+        stage._spawn = spawn
+        for w in stage.workers.values():
+            w.proc = FakeProc(next(pids))
+        stage.workers["encode-0"].proc.kill()
+        import time
+        now = time.monotonic()
+        await stage._check_workers(now)  # exited: lost, restart after the back-off
+        assert not stage.workers["encode-0"].alive and stage.num_lost == 1
+        await stage._check_workers(now + 5.0)  # due: a new process
+        new_pid = stage.workers["encode-0"].proc.pid
+        assert stage.supervisor.num_restarts["encode"] == 1
+        stage._on_restarted(EncodeWorkerReady("encode-0", new_pid - 1, True))  # stale: ignored
+        assert not stage.workers["encode-0"].alive
+        stage._on_restarted(EncodeWorkerReady("encode-0", new_pid, True))
+        assert stage.workers["encode-0"].alive
+        s.report("encode-1", patches=10_000, images=9)
+        task = asyncio.create_task(stage.encode("r", mm("a")))
+        await s.received("encode-0")  # routable again, and the least loaded
+        s.report("encode-0", done=[EncodeDone("r", 1)])
+        await task
     run(go)
