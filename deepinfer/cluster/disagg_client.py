@@ -252,9 +252,10 @@ class DisaggClient:
 
     @property
     def is_healthy(self) -> bool:
+        # Encode workers down (restarting) fail only image requests ("no encode worker
+        # available"); text requests are still served.
         roles = {h.role for h in self.workers.values() if h.alive and h.ready is not None}
-        encode_ok = self.encode_stage is None or self.encode_stage.is_healthy
-        return self.dead_message is None and roles == {"prefill", "decode"} and encode_ok
+        return self.dead_message is None and roles == {"prefill", "decode"}
 
     @property
     def num_waiting_requests(self) -> int:
