@@ -234,7 +234,7 @@ def cases(draw, max_n: int = 3):
     return params, prompt, plan
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_streamed_text_equals_final_text(case):
     params, prompt, plan = case
@@ -260,7 +260,7 @@ def test_streamed_text_equals_final_text(case):
             assert (seq.output.finish_reason, seq.output.stop_reason) == ("stop", want[1])
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(max_n=1))
 def test_disaggregated_stream_equals_final_text(case):
     """The prefill worker streams the first token's delta; the decode worker resumes after
