@@ -108,7 +108,13 @@ def test_bench_offline_profile_writes_traces_and_prints_top_ops(tmp_path):
 
 
 def test_bench_offline_bad_profile_flags_exit_2(tmp_path):
+    import argparse
+
+    from deepinfer.bench.errors import BenchError
+    from deepinfer.bench.offline import _step_trace
+
     (tmp_path / "file").write_text("x")
     assert_one_line_error(run_cli("bench", "offline", "--profile", str(tmp_path / "file")))
-    assert_one_line_error(run_cli("bench", "offline", "--profile", str(tmp_path / "d"),
-                                  "--profile-decode-steps", "0"))
+    args = argparse.Namespace(profile_dir=str(tmp_path / "d"), profile_decode_steps=0)
+    with pytest.raises(BenchError, match="--profile-decode-steps must be positive"):
+        _step_trace(args, None)  # the same BenchError -> one-line exit 2 as above
