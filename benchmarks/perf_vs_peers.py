@@ -301,7 +301,8 @@ def main() -> int:
         ap.error("--threads and --rounds must be positive")
     w = workload(args.quick)
     pw = args.peer_work
-    bin_dir, gguf = os.path.join(pw, "llamacpp", "bin"), os.path.join(pw, "models", "gguf", GGUF_NAME)
+    bin_dir = os.path.join(pw, "llamacpp", "bin")
+    gguf = os.path.join(pw, "models", "gguf", GGUF_NAME)
     if not args.skip_llamacpp and not (os.path.exists(os.path.join(bin_dir, "llama-server"))
                                        and os.path.exists(gguf)):
         ap.error(f"llama.cpp peers not found in {pw} (llamacpp/bin, models/gguf/{GGUF_NAME}); "

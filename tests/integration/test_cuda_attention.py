@@ -47,7 +47,8 @@ def _plain_metadata(device) -> AttentionMetadata:
             prefills.append(PrefillChunkMetadata(start, x, 0, None, None))
         else:
             ids = torch.tensor(blocks[:-(-(p0 + x) // BS)], device=dev)
-            mask = torch.arange(p0 + x, device=dev)[None] <= torch.arange(p0, p0 + x, device=dev)[:, None]
+            keys = torch.arange(p0 + x, device=dev)[None]
+            mask = keys <= torch.arange(p0, p0 + x, device=dev)[:, None]
             prefills.append(PrefillChunkMetadata(start, x, p0, ids, mask))
         start += x
     width = max(map(len, decode_tables))
@@ -186,3 +187,31 @@ def test_runner_on_cuda_selects_the_cuda_backend():
     runner = ModelRunner(model, _cache("cuda", 2), torch.device("cuda"))
     backend = runner._attention_backend(_plain_metadata("cuda"))
     assert isinstance(backend, CudaPagedAttention)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_cuda
+def test_engine_on_cuda_matches_cpu_greedy_and_profiles_gpu_time(engine_base_llm, tmp_path):
+    """The whole engine on CUDA (runner hook -> CudaPagedAttention; chunked prefill exercises the
+    cached-prefix path) against the session's CPU fp32 engine; --profile's GPU column."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.runtime.step_trace import StepTrace
+
+    cuda_llm = LLM(model=None, dtype="float32", device="cuda", kv_cache_memory="1GiB", seed=0,
+                   max_num_batched_tokens=64)
+    prompts = [{"prompt_token_ids": list(range(300 + i, 300 + i + n))}
+               for i, n in enumerate((5, 40, 130))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runner = cuda_llm.engine.runner
+    trace = StepTrace(str(tmp_path), decode_steps=2, decode_warmup=1, device=torch.device("cuda"))
+    runner.execute = trace.wrap(runner.execute)
+    try:
+        got = cuda_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del runner.execute
+    expected = engine_base_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert isinstance(runner.cuda_attention, CudaAttentionBuilder)  # the hook built the backend
+    windows = {w.name: w for w in trace.close()}
+    assert any(r.get("self_device_us", 0.0) > 0 for r in windows["decode"].ops)
