@@ -36,7 +36,10 @@ logger = logging.getLogger(__name__)
 
 def interface_of(ip: str) -> str | None:
     """The network interface holding `ip` on this machine (None when none does)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:  # then gloo / NCCL pick their interface themselves
+        return None
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.address == ip for a in addresses):
             return name

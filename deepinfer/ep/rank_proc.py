@@ -46,7 +46,9 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
 
     device = rank_device(engine_config, rank)
     world = ep_config.data_parallel_size
+    # All ranks on this machine's GPUs (local launcher); a Ray actor sees only its own GPU.
     if device.type == "cuda" and ep_config.enable_expert_parallel and \
+            master_addr == "127.0.0.1" and \
             torch.cuda.device_count() < world and ep_config.backend in (None, "nccl"):
         raise ValueError(f"{world} NCCL ranks need {world} GPUs, found {torch.cuda.device_count()}")
     threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // world)
