@@ -117,7 +117,8 @@ def _print_profile(trace) -> dict:
         if trace.on_cuda:
             print(format_top_ops(w, by="self_device_us"))
     if windows:
-        print("(timings above include the profiler's overhead)")
+        print("(timings include the profiler's overhead; the self time of deepinfer_step[...] is "
+              "work outside torch ops: Python, and C kernels called through ctypes)")
     return {w.name: {"trace": w.trace_path, "ops": w.ops_path, "num_steps": w.num_recorded,
                      "batch_sizes": w.batch_sizes} for w in windows}
 
