@@ -15,7 +15,8 @@ Plus the machine: bf16 matmul peak (torch, big square) and memory bandwidth (a l
 large copy), and the bounds they imply for this model (see `bounds()`).
 
 Each engine's measurement runs in a child process of its own Python (this file with --child),
-so no engine shares a process or a warm cache with another. The full run (2 rounds, ~6-8 min):
+so no engine shares a process or a warm cache with another. The full run (2 rounds; estimated
+~5 min on a quiet 2-core box, ~2 min more per round with --vllm):
 
     PEER_WORK=/tmp/peers .venv/bin/python benchmarks/perf_vs_peers.py --threads 2 \\
         --json benchmarks/results/perf_vs_peers.json
