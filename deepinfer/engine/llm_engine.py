@@ -71,6 +71,7 @@ class LLMEngine:
             self.draft_kv_spec = draft_kv_cache_spec(spec_config, self.source, self.model_config,
                                                      config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(spec)
+        self.max_model_len = self._fit_max_model_len(num_blocks * config.block_size)
         self.cache = allocate_kv_cache(spec, num_blocks, self.device)
         logger.info("KV cache: %d bytes per token (%s), %d blocks hold %d tokens",
                     kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
@@ -126,6 +127,20 @@ class LLMEngine:
                         num_blocks * draft.bytes_per_block, num_blocks, spec.bytes_per_block,
                         draft.bytes_per_block)
         return num_blocks
+
+    def _fit_max_model_len(self, kv_capacity_tokens: int) -> int:
+        """A sequence longer than the whole KV cache could never finish: it would end early with
+        finish_reason "length". An explicit --max-model-len beyond the cache is refused (as vLLM
+        does); the model's own limit is lowered to what the cache holds."""
+        if self.max_model_len <= kv_capacity_tokens:
+            return self.max_model_len
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} is larger than the KV cache "
+                             f"({kv_capacity_tokens} tokens): raise --kv-cache-memory or lower "
+                             "--max-model-len")
+        logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
+                       self.max_model_len, kv_capacity_tokens)
+        return kv_capacity_tokens
 
     def _build_budget_policy(self) -> StepBudgetPolicy:
         if self.config.scheduler == "token-budget":
