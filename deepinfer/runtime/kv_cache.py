@@ -72,10 +72,19 @@ class PagedKVCache:
         # weight times a NaN left in recycled memory is NaN.
         self.kv = torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                               spec.head_dim, dtype=spec.dtype, device=device)
+        # Per-layer views made once: each step's attention would otherwise slice and view the
+        # cache again in every layer (a dozen tiny ops per layer at batch 1).
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+        self._slot_views = [(k.view(-1, spec.num_kv_heads, spec.head_dim),
+                             v.view(-1, spec.num_kv_heads, spec.head_dim)) for k, v in self._layers]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        return self._layers[layer_idx]
+
+    def layer_slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer as [num_blocks * block_size, kv_heads, head_dim] slot rows."""
+        return self._slot_views[layer_idx]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of whole blocks: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""

@@ -12,6 +12,11 @@ from deepinfer.runtime.paged_attention import (AttentionMetadata, DecodeMetadata
                                                PrefillChunkMetadata)
 from deepinfer.runtime.sampler import Sampler
 
+# With the C decode kernel, chunks of up to this many tokens (speculative-decoding verification,
+# short prefill tails) attend as decode rows: one query row per token, causal by its own context
+# length, read through the block table. No per-layer gather of the prefix and no mask per request.
+SHORT_CHUNK_TOKENS = 16
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, device: torch.device,
@@ -42,8 +47,9 @@ class ModelRunner:
             if self.empty_step_hook is not None:
                 self.empty_step_hook()
             return StepResult({}, step_time_s=0.0)
-        # Decodes (one new token) first, then prefill chunks: see paged_attention's layout.
-        ordered = sorted(output.scheduled, key=lambda r: r.num_new_tokens != 1)
+        # Decodes (one new token, or a short chunk: see _as_decode) first, then prefill chunks:
+        # see paged_attention's layout.
+        ordered = sorted(output.scheduled, key=lambda r: not self._as_decode(r))
         input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
         attn = self._attention_backend(meta)
         embeds = self.mm_embeds.input_embeds(self.model, ordered, input_ids) if self.mm_embeds is not None else None
@@ -79,6 +85,10 @@ class ModelRunner:
             return self.cuda_attention.build(meta)
         return PagedAttention(self.cache, meta, self.num_heads, self.decode_kernel)
 
+    def _as_decode(self, r: ScheduledRequest) -> bool:
+        return r.num_new_tokens == 1 or (self.decode_kernel is not None
+                                         and r.num_new_tokens <= SHORT_CHUNK_TOKENS)
+
     def _prepare(self, ordered: list[ScheduledRequest]):
         bs = self.block_size
         input_ids: list[int] = []
@@ -89,6 +99,9 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunkMetadata] = []
+        # Decode rows must lead the flat batch: a short chunk after a prefill chunk (an order
+        # sorted by num_new_tokens != 1 alone, as the draft runner does) stays a prefill chunk.
+        leading = True
         for r in ordered:
             first = len(input_ids)
             p0 = r.num_computed_tokens
@@ -99,10 +112,12 @@ class ModelRunner:
             if r.sample:
                 sample_idx.append(len(input_ids) - 1)
                 sample_reqs.append(r)
-            if r.num_new_tokens == 1:
-                num_blocks = -(-r.context_len // bs)
-                decode_tables.append(r.block_ids[:num_blocks])
-                decode_lens.append(r.context_len)
+            leading = leading and self._as_decode(r)
+            if leading:
+                table = r.block_ids[:-(-r.context_len // bs)]
+                for p in pos:  # token p sees positions 0..p (its own K/V is written first)
+                    decode_tables.append(table)
+                    decode_lens.append(p + 1)
             else:
                 prefills.append(self._prefill_meta(r, first))
         dev = self.device

@@ -59,8 +59,11 @@ class PagedAttention:
         k_cache, v_cache = self.cache.layer(layer_idx)  # [blocks, bs, KV, d]
         _, _, num_kv_heads, head_dim = k_cache.shape
         slots = self.meta.slot_mapping
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        k_slots, v_slots = self.cache.layer_slots(layer_idx)
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
+        if self.decode_kernel is not None and self.meta.decode is not None and not self.meta.prefills:
+            return self._decode_kernel(q, k_cache, v_cache)  # every row is a decode row
         out = torch.empty_like(q)
         gqa = self.num_heads != num_kv_heads
         if self.meta.decode is not None:
@@ -74,10 +77,7 @@ class PagedAttention:
         num = meta.num_tokens
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if self.decode_kernel is not None:
-            # Reads K/V through the block table: no gather copy.
-            out[:num] = self.decode_kernel(q[:num].contiguous(), k_cache, v_cache,
-                                           meta.block_ids.view(num, -1), meta.context_lens,
-                                           torch.get_num_threads())
+            out[:num] = self._decode_kernel(q[:num], k_cache, v_cache)
             return
         # Gather each request's blocks into one run: [B, ctx, KV, d] -> strided [B, KV, ctx, d]
         keys = k_cache.index_select(0, meta.block_ids).view(num, -1, num_kv_heads, head_dim)
@@ -89,6 +89,12 @@ class PagedAttention:
         query = q[:num].view(num, num_kv_heads, -1, head_dim)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.attn_mask)
         out[:num] = o.reshape(num, -1, head_dim)
+
+    def _decode_kernel(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """The C kernel over the decode rows q [B, H, d]: reads K/V through the block table."""
+        meta = self.meta.decode
+        return self.decode_kernel(q.contiguous(), k_cache, v_cache, meta.block_ids.view(meta.num_tokens, -1),
+                                  meta.context_lens, torch.get_num_threads())
 
     def _prefill(self, chunk: PrefillChunkMetadata, q: Tensor, k: Tensor, v: Tensor,
                  k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:

@@ -17,7 +17,7 @@ from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernel
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
 from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
 from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
-from deepinfer.runtime.model_runner import ModelRunner
+from deepinfer.runtime.model_runner import SHORT_CHUNK_TOKENS, ModelRunner
 from deepinfer.runtime.model_source import load_model, resolve_model
 from deepinfer.sampling_params import SamplingParams
 from tests.integration.tiny_models import VOCAB, tiny_hf_model
@@ -54,13 +54,14 @@ def _runner(model, monkeypatch, decode_kernel: bool) -> ModelRunner:
 
 
 def _step_logits(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-    """Logits of the sampled rows, in the order of `scheduled` (decodes first)."""
-    ordered = sorted(scheduled, key=lambda r: r.num_new_tokens != 1)
-    assert ordered == scheduled
+    """Logits of each request's last row [N, vocab], in the order of `scheduled`; the batch is
+    laid out as ModelRunner.execute lays it out."""
+    ordered = sorted(scheduled, key=lambda r: not runner._as_decode(r))
     with torch.inference_mode():
         ids, positions, meta, sample_idx, _ = runner._prepare(ordered)
         hidden = runner.model(ids, positions, runner._attention_backend(meta))
-        return runner.model.compute_logits(hidden[sample_idx])
+        logits = runner.model.compute_logits(hidden[sample_idx])
+    return logits[[ordered.index(r) for r in scheduled]]
 
 
 def _req(rid, tokens, computed, blocks):
@@ -97,17 +98,22 @@ def test_fast_paths_match_plain_torch_on_paged_steps(checkpoints, kind, monkeypa
     runners = {"plain": _runner(plain, monkeypatch, decode_kernel=False),
                "fast": _runner(fast, monkeypatch, decode_kernel=True)}
     assert runners["plain"].decode_kernel is None and runners["fast"].decode_kernel is not None
+    assert runners["fast"]._as_decode(_req("a", [1] * SHORT_CHUNK_TOKENS, 9, []))
+    assert not runners["fast"]._as_decode(_req("a", [1] * (SHORT_CHUNK_TOKENS + 1), 9, []))
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (13, 6)]
-    blocks = [list(range(1, 11)), list(range(11, 21))]
-    # prefill both (a chunk of 9, then the rest after a prefix), then batch-2 and batch-1 decodes
-    steps = [[_req("a", prompts[0][:9], 0, blocks[0]), _req("b", prompts[1], 0, blocks[1])],
-             [_req("a", prompts[0][9:], 9, blocks[0])]]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (13, 6, 30)]
+    blocks = [list(range(1, 11)), list(range(11, 21)), list(range(21, 31))]
+    # Prefill (a: a chunk of 9, then 4 more after that prefix, as a verification chunk would
+    # be; c: a chunk longer than SHORT_CHUNK_TOKENS listed first, then 3 after its prefix);
+    # then batch-2 and batch-1 decodes of a and b.
+    steps = [[_req("c", prompts[2][:27], 0, blocks[2]), _req("a", prompts[0][:9], 0, blocks[0]),
+              _req("b", prompts[1], 0, blocks[1])],
+             [_req("c", prompts[2][27:], 27, blocks[2]), _req("a", prompts[0][9:], 9, blocks[0])]]
     lens = [13, 6]
     for step in steps:
         got = {name: _step_logits(r, step) for name, r in runners.items()}
         assert torch.allclose(got["fast"], got["plain"], atol=5e-2, rtol=5e-2)
-    tokens = [got["plain"][0].argmax().item()]
+    tokens = [got["plain"][1].argmax().item()]
     last_b = 0
     for i in range(6):
         batch = [_req("a", [tokens[-1]], lens[0], blocks[0])]
@@ -121,3 +127,16 @@ def test_fast_paths_match_plain_torch_on_paged_steps(checkpoints, kind, monkeypa
         if i < 3:
             last_b = got["plain"][1].argmax().item()
             lens[1] += 1
+
+
+def test_short_chunk_after_a_prefill_chunk_stays_a_prefill_chunk(checkpoints, monkeypatch):
+    """Decode rows lead the flat batch; an order that puts a long chunk first (the draft
+    runner sorts on num_new_tokens != 1 alone) keeps the short chunk after it a prefill chunk."""
+    runner = _runner(_fast_model(checkpoints["llama_tied"], monkeypatch), monkeypatch, True)
+    long_chunk = _req("c", [5] * (SHORT_CHUNK_TOKENS + 1), 0, list(range(1, 11)))
+    short = _req("a", [6] * 3, 4, list(range(11, 21)))
+    meta = runner._prepare([long_chunk, short])[2]
+    assert meta.decode is None and [c.num_tokens for c in meta.prefills] == [SHORT_CHUNK_TOKENS + 1, 3]
+    meta = runner._prepare([short, long_chunk])[2]
+    assert meta.decode.num_tokens == 3 and meta.decode.context_lens.tolist() == [5, 6, 7]
+    assert [c.num_tokens for c in meta.prefills] == [SHORT_CHUNK_TOKENS + 1]
