@@ -13,6 +13,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -62,6 +63,7 @@ def ray_cluster():
     ray.init(address=cluster.address, log_to_driver=False)
     node_ids = {role: node.node_id for role, node in nodes.items()}
     node_ids["ray_client"] = f"ray://127.0.0.1:{client_port}"
+    node_ids["head_logs"] = cluster.head_node.get_logs_dir_path()
     yield node_ids
     ray.shutdown()
     cluster.shutdown()
@@ -168,6 +170,64 @@ def test_serve_refuses_an_ep_group_ray_cannot_place_with_one_line(ray_cluster, t
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "a group of 2 ranks" in err and "STRICT_PACK" in err and "room for 1" in err, err
     assert ray.is_initialized()  # the test's Ray: serve's placement did not own it
+
+
+# --- Ray Client (ray://) ---------------------------------------------------------------------
+# Early in the module: twice in full-module runs the head's Ray Client server did not start
+# its per-client server when this test ran last (after ~8 min of other tests; its log says
+# nothing), while it passed every time on a fresh cluster. The cause is not known.
+
+
+def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster, tmp_path,
+                                                                     default_model_source):
+    """`deepinfer serve --cluster ray://127.0.0.1:PORT` (the head's Ray Client server): the
+    front runs in its own process, connected only through Ray Client; its workers land on the
+    role nodes and greedy outputs over HTTP equal the colocated engine (a tiny Llama)."""
+    import httpx
+
+    from deepinfer import LLM
+    from tests.integration.serve_process import ServeProcess
+    from tests.integration.tiny_models import prompts as tiny_prompts
+    from tests.integration.tiny_models import tiny_hf_model
+
+    tiny_hf_model("llama", seed=5).save_pretrained(tmp_path)
+    default_model_source.load_tokenizer().save_pretrained(tmp_path)
+    engine = ("--model", str(tmp_path), "--dtype", "float32", "--threads", "1",
+              "--num-kv-blocks", "64", "--seed", "0")
+    server = ServeProcess(
+        *engine, "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
+        "--cluster", ray_cluster["ray_client"],
+        "--prefill-resources", '{"num_cpus": 0.5, "prefill_node": 1}',
+        "--decode-resources", '{"num_cpus": 0.5, "decode_node": 1}')
+    try:
+        prompts = tiny_prompts(seed=3)
+        llm = LLM(model=str(tmp_path), dtype="float32", num_threads=1, num_kv_blocks=64, seed=0)
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        try:
+            server.wait_ready(timeout_s=READY_DEADLINE_S)
+        except RuntimeError as exc:  # show why the head's Ray Client server refused us
+            raise AssertionError(f"{exc}\n{_client_server_logs(ray_cluster['head_logs'])}")
+        workers = httpx.get(f"{server.url}/admin/workers", timeout=30).json()["workers"]
+        nodes = {w["worker_id"]: w["placement"]["node_id"] for w in workers}
+        assert nodes == {"prefill-0": ray_cluster["prefill"], "decode-0": ray_cluster["decode"]}
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for ids, tokens in zip(prompts, want):
+            body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": ids, "max_tokens": GREEDY.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
+            assert "choices" in body, body
+            assert body["choices"][0]["token_ids"] == list(tokens), (ids, body)
+    finally:
+        log = server.output()
+        code = server.stop()
+    assert code == 0, log
+    # A clean exit ends its workers' actors: the role resources are Ray's again.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("prefill_node", 0) < 2 or \
+            ray.available_resources().get("decode_node", 0) < 2:
+        assert time.monotonic() < deadline, f"actors left behind: {ray.available_resources()}"
+        time.sleep(0.2)
 
 
 def test_p2_d2_on_ray_equals_colocated_and_follows_role_resources(ray_cluster, engine_base_llm):
@@ -393,47 +453,7 @@ async def _ep_outcome(group, prompt, rank):
     return "ok", tokens
 
 
-# --- Ray Client (ray://) ---------------------------------------------------------------------
-
-
-def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster, tmp_path,
-                                                                     default_model_source):
-    """`deepinfer serve --cluster ray://127.0.0.1:PORT` (the head's Ray Client server): the
-    front runs in its own process, connected only through Ray Client; its workers land on the
-    role nodes and greedy outputs over HTTP equal the colocated engine (a tiny Llama)."""
-    import httpx
-
-    from deepinfer import LLM
-    from tests.integration.serve_process import ServeProcess
-    from tests.integration.tiny_models import prompts as tiny_prompts
-    from tests.integration.tiny_models import tiny_hf_model
-
-    tiny_hf_model("llama", seed=5).save_pretrained(tmp_path)
-    default_model_source.load_tokenizer().save_pretrained(tmp_path)
-    engine = ("--model", str(tmp_path), "--dtype", "float32", "--threads", "1",
-              "--num-kv-blocks", "64", "--seed", "0")
-    server = ServeProcess(
-        *engine, "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
-        "--cluster", ray_cluster["ray_client"],
-        "--prefill-resources", '{"num_cpus": 0.5, "prefill_node": 1}',
-        "--decode-resources", '{"num_cpus": 0.5, "decode_node": 1}')
-    try:
-        prompts = tiny_prompts(seed=3)
-        llm = LLM(model=str(tmp_path), dtype="float32", num_threads=1, num_kv_blocks=64, seed=0)
-        want = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
-        server.wait_ready(timeout_s=READY_DEADLINE_S)
-        workers = httpx.get(f"{server.url}/admin/workers", timeout=30).json()["workers"]
-        nodes = {w["worker_id"]: w["placement"]["node_id"] for w in workers}
-        assert nodes == {"prefill-0": ray_cluster["prefill"], "decode-0": ray_cluster["decode"]}
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        for ids, tokens in zip(prompts, want):
-            body = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-                "model": model, "prompt": ids, "max_tokens": GREEDY.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
-            assert "choices" in body, body
-            assert body["choices"][0]["token_ids"] == list(tokens), (ids, body)
-    finally:
-        log = server.output()
-        code = server.stop()
-    assert code == 0, log
+def _client_server_logs(logs_dir: str) -> str:
+    from pathlib import Path
+    return "\n".join(f"--- {p.name}:\n{p.read_text(errors='replace')[-1500:]}"
+                     for p in sorted(Path(logs_dir).glob("ray_client_server*")))
