@@ -21,7 +21,10 @@ import torch
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
+try:
+    from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
+except ImportError:  # a tree from before the kernel
+    load_small_batch_linear = None
 from deepinfer.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -46,7 +49,8 @@ def prefill_step(tokens: int, block_size: int, first_block: int) -> SchedulerOut
 def make_engine(env: dict[str, str]) -> LLMEngine:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    load_small_batch_linear.cache_clear()  # read its switch again
+    if load_small_batch_linear is not None:
+        load_small_batch_linear.cache_clear()  # read its switch again
     try:
         return LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", kv_cache_memory="1GiB"))
     finally:
@@ -78,6 +82,47 @@ def time_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> tuple[l
     return wall, cpu
 
 
+def split_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> dict[str, float]:
+    """Median CPU ms per step in the linear layers, the C decode kernel, SDPA, and the rest
+    (the profiler does not see ctypes kernels, so they are timed by wrapping them)."""
+    from deepinfer.runtime.cpu_linear_packing import PackedLinear
+    import torch.nn.functional as F
+    acc: dict[str, float] = {}
+
+    def timed(key, fn):
+        def call(*a, **k):
+            c = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.process_time() - c
+        return call
+
+    saved = (PackedLinear.forward, F.scaled_dot_product_attention)
+    PackedLinear.forward = timed("linear", PackedLinear.forward)
+    F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
+    kernel = engine.runner.decode_kernel
+    fns = dict(kernel._fns) if kernel is not None else {}
+    if kernel is not None:
+        kernel._fns = {d: timed("decode_kernel", f) for d, f in fns.items()}
+    try:
+        engine.runner.execute(step)
+        rows = []
+        for _ in range(repeats):
+            acc.clear()
+            c = time.process_time()
+            engine.runner.execute(step)
+            rows.append({**acc, "total": time.process_time() - c})
+    finally:
+        PackedLinear.forward, F.scaled_dot_product_attention = saved
+        if kernel is not None:
+            kernel._fns = fns
+    keys = ["linear", "decode_kernel", "sdpa", "total"]
+    out = {k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
+    out["other"] = out["total"] - out["linear"] - out["decode_kernel"] - out["sdpa"]
+    return out
+
+
 def profile_case(engine: LLMEngine, step: SchedulerOutput, top: int, trace: str | None) -> str:
     from torch.profiler import ProfilerActivity, profile
     engine.runner.execute(step)
@@ -96,6 +141,8 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for a second engine")
     ap.add_argument("--profile", action="store_true", help="print the top ops of each case")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--split", action="store_true",
+                    help="CPU ms per step in linears / decode kernel / SDPA / the rest")
     ap.add_argument("--cases", default="", help="comma-separated subset of case names")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -130,6 +177,13 @@ def main() -> None:
                   f"  cpu median {cpu * 1e3:8.2f} ms{extra}")
             summary.setdefault(name, {})[case] = {"median_ms": med * 1e3, "min_ms": min(times) * 1e3,
                                                   "cpu_median_ms": cpu * 1e3}
+    if args.split:
+        for name, engine in engines.items():
+            for case, step in steps.items():
+                parts = split_case(engine, step, args.repeats)
+                print(f"{name:9s} {case:20s} cpu split ms: "
+                      + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+                summary.setdefault(name, {}).setdefault(case, {})["cpu_split_ms"] = parts
     if args.profile:
         for name, engine in engines.items():
             for case, step in steps.items():
