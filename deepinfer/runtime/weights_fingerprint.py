@@ -10,6 +10,10 @@ only (never paths, mtimes or the host), each file named relative to the model's 
   `HEAD_BYTES` of anything else: a GGUF's metadata, tokenizer and tensor-info table) and
   `NUM_WINDOWS` windows of `WINDOW_BYTES` spread evenly over the rest.
 
+A checkpoint folder's image-processor configs (`PREPROCESSING_FILES`) are always added when
+present: two checkpoints with equal weights but other preprocessing (image size, mean/std,
+crop) give other image embeddings, so they must not share stored embeddings or KV blocks.
+
 A large file is thus read for ~36 MiB, not its size. Names, shapes, dtypes and metadata are
 always covered; another fine-tune or quantisation changes every window. An edit confined to
 the bytes between two windows of a large file is not seen (the price of not reading it all).
@@ -28,6 +32,7 @@ HEAD_BYTES = 32 * 1024**2
 NUM_WINDOWS = 1024
 WINDOW_BYTES = 4096
 _MAX_SAFETENSORS_HEADER = 100 * 1024**2  # the format's own limit
+PREPROCESSING_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def weights_fingerprint(root: str, files: Sequence[str]) -> str:
@@ -36,6 +41,11 @@ def weights_fingerprint(root: str, files: Sequence[str]) -> str:
     h = hashlib.blake2b(FORMAT, digest_size=16)
     base = root if os.path.isdir(root) else os.path.dirname(os.path.abspath(root))
     single = not os.path.isdir(root)
+    files = list(files)
+    if not single:
+        named = {os.path.abspath(p) for p in files}
+        files += [p for p in (os.path.join(root, f) for f in PREPROCESSING_FILES)
+                  if os.path.isfile(p) and os.path.abspath(p) not in named]
     for path in sorted(files, key=lambda p: os.path.relpath(p, base)):
         name = "" if single else os.path.relpath(path, base).replace(os.sep, "/")
         name_bytes = name.encode()
