@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from deepinfer.cluster.kv_transport import KVTransport
 from deepinfer.cluster.messages import AbortRequests, DecodeRequest
+from deepinfer.cluster.prefill_images import attach_embedding_store
 from deepinfer.cluster.worker_loop import WorkerLoop
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class DecodeWorkerLoop(WorkerLoop):
         self.transport = transport
         self._waiting_alloc: deque[str] = deque()
         self._incoming: dict[str, _Incoming] = {}
+        # A preempted image request is recomputed here: its embeddings by image hash.
+        attach_embedding_store(engine, spec.kv_store_url)
 
     def handle(self, message) -> None:
         if isinstance(message, AbortRequests):
@@ -81,7 +84,8 @@ class DecodeWorkerLoop(WorkerLoop):
             try:
                 block_ids = self.engine.add_transferred_request(
                     m.request_id, m.prompt_token_ids, m.sampling_params, m.arrival_time,
-                    m.first_token_id, m.first_logprob, m.num_cached_tokens)
+                    m.first_token_id, m.first_logprob, m.num_cached_tokens,
+                    mm_inputs=m.mm_inputs)
             except ValueError as exc:
                 self._waiting_alloc.popleft()
                 self._fail(request_id, str(exc), free=False)
@@ -128,6 +132,12 @@ class DecodeWorkerLoop(WorkerLoop):
             c.num_transfers += 1
             c.transfer_seconds_total += result.seconds
             self._dirty = True
+
+    def after_step(self, outputs: list) -> None:
+        super().after_step(outputs)
+        for failure in self.engine.take_request_failures():  # e.g. images it cannot recompute
+            self.tracker.forget([failure.request_id])
+            self.emit_error(failure.request_id, failure.message)
 
     def _fail(self, request_id: str, message: str, free: bool = True) -> None:
         self._incoming.pop(request_id, None)

@@ -142,7 +142,7 @@ class DisaggClient:
         spec = WorkerSpec(
             worker_id=f"{role}-{index}", role=role, engine_config=self.engine_config,
             input_addr=f"tcp://{c.host}:{port}", output_addr=self._output_addr,
-            parent_pid=os.getpid(), kv_store_url=c.store_url if role == "prefill" else None,
+            parent_pid=os.getpid(), kv_store_url=c.store_url,  # decode: image embeddings only
             report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
             kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
             debug_transfer_delay_s=c.debug_transfer_delay_s, max_staged_bytes=c.max_staged_bytes,
@@ -420,7 +420,8 @@ class DisaggClient:
             sampling_params=track.params, arrival_time=track.arrival_time,
             first_token_id=done.first_token_id, first_logprob=done.first_logprob,
             num_text_chars_sent=done.num_text_chars_sent, kv_source_addr=done.kv_addr,
-            num_kv_bytes=done.num_kv_bytes, num_cached_tokens=done.num_cached_tokens))
+            num_kv_bytes=done.num_kv_bytes, num_cached_tokens=done.num_cached_tokens,
+            mm_inputs=track.mm_inputs.without_pixels() if track.mm_inputs is not None else None))
 
     def _place(self, request_id: str, stage: int, worker_id: str) -> None:
         self.placements.setdefault(request_id, [None, None])[stage] = worker_id

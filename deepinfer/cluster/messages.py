@@ -55,6 +55,9 @@ class DecodeRequest(msgspec.Struct, tag=True):
     kv_source_addr: str
     num_kv_bytes: int
     num_cached_tokens: int = 0  # prefix hit on the prefill worker (for usage reporting)
+    # Image placeholders, no pixels: block hashes as on the prefill worker, and a recompute
+    # after preemption takes the embeddings by image hash (cache, shared store) or fails.
+    mm_inputs: MultiModalInputs | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -43,9 +43,12 @@ class EngineImages:
         self.num_encode_batches = 0
 
     # ---- add_request -----------------------------------------------------------------------
-    def check(self, prompt_token_ids: Sequence[int], mm_inputs: MultiModalInputs) -> RequestImages:
+    def check(self, prompt_token_ids: Sequence[int], mm_inputs: MultiModalInputs,
+              require_embeddings: bool = True) -> RequestImages:
         """Validate `mm_inputs` against the prompt and this model and take the embeddings the
-        cache holds. Raises ValueError (the request must not be queued)."""
+        cache holds. Raises ValueError (the request must not be queued). A disaggregated
+        decode worker passes `require_embeddings=False`: its prompt KV arrives computed, and
+        the embeddings are needed (and fetched, `fetch_missing`) only if it is recomputed."""
         placeholders = list(mm_inputs.placeholders)
         covered = 0
         for p in placeholders:
@@ -66,7 +69,7 @@ class EngineImages:
                 raise ValueError(f"image pixel_values have shape {tuple(px.shape)}; this model takes "
                                  f"{self.pixel_shape}")
             found = self.cache.get(p.image_hash)
-            if found is None and px is None:
+            if found is None and px is None and require_embeddings:
                 raise ValueError(f"no pixels and no cached embeddings for image {p.image_hash[:16]}")
             embeds.append(found)
         return RequestImages(placeholders, embeds)
@@ -77,6 +80,21 @@ class EngineImages:
         for request_id in request_ids:
             self._requests[request_id] = images
             self._pixels[request_id] = pixels
+
+    def fetch_missing(self, request_id: str) -> list[str]:
+        """Take the embeddings `request_id` still lacks from the cache (its store tier too);
+        returns the hashes of images that have neither embeddings nor pixels to encode."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return []
+        pixels = self._pixels.get(request_id) or [None] * len(entry.placeholders)
+        missing = []
+        for i, p in enumerate(entry.placeholders):
+            if entry.embeds[i] is None and pixels[i] is None:
+                entry.embeds[i] = self.cache.get(p.image_hash)
+                if entry.embeds[i] is None:
+                    missing.append(p.image_hash)
+        return missing
 
     # ---- each step -------------------------------------------------------------------------
     def prepare(self, scheduled: Sequence, live_request_ids: Container[str]) -> None:
@@ -94,8 +112,13 @@ class EngineImages:
                 if entry.embeds[i] is None and p.offset < end and start < p.end:
                     if p.image_hash in self.cache:
                         entry.embeds[i] = self.cache.get(p.image_hash)
-                    else:
+                    elif self._pixels[r.request_id][i] is not None:
                         pending[p.image_hash] = self._pixels[r.request_id][i]
+                    elif (found := self.cache.get(p.image_hash)) is not None:  # store tier
+                        entry.embeds[i] = found
+                    else:  # never computed from token embeddings in their place
+                        raise RuntimeError(f"request {r.request_id}: the embeddings of image "
+                                           f"{p.image_hash[:16]} are gone and it has no pixels")
         encoded = self._encode(pending) if pending else {}
         for r in scheduled:
             entry = self._requests.get(r.request_id)

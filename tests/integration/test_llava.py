@@ -98,3 +98,68 @@ def test_images_split_across_prefill_chunks_match_transformers(llava_pairs):
         token_ids, mm = chunked._processor().process_chat(conv)
         pixels = np.stack([p.to_numpy() for p in mm.pixel_values])
         assert out.outputs[0].token_ids == hf_greedy(hf, token_ids, pixels, MAX_TOKENS)
+
+
+def _decode_side_recompute(llm, chat, store_url=None, pass_images=True):
+    """P/D in process: `llm`'s engine prefills `chat`, its prompt KV goes to a
+    `DisaggDecodeEngine` (no prefix caching: a recompute covers the image) that is made to
+    preempt the request after two tokens and recompute it. Returns (token ids, failures)."""
+    import time
+
+    from deepinfer.cluster.decode_engine import DisaggDecodeEngine
+    from deepinfer.cluster.prefill_images import attach_embedding_store
+    from deepinfer.engine.engine_config import EngineConfig
+
+    prefill = llm.engine
+    prompt, mm = llm._processor().process_chat(chat)
+    prefill.add_request("h", prompt, GREEDY, mm_inputs=mm)
+    first = []
+    while not first:
+        for out in prefill.step():
+            first = list(out.outputs[0].token_ids)
+    kv = prefill.cache.read_blocks(prefill.scheduler.kv.block_ids("h"))
+    prefill.abort_request(["h"])
+    decode = DisaggDecodeEngine(EngineConfig(model=None, dtype="float32", num_kv_blocks=16, block_size=16,
+                                             enable_prefix_caching=False),
+                                source=prefill.source, model=prefill.model, tokenizer=prefill.tokenizer)
+    attach_embedding_store(decode, store_url)
+    images = {"mm_inputs": mm.without_pixels()} if pass_images else {}
+    block_ids = decode.add_transferred_request("h", prompt, GREEDY, time.monotonic(), first[0], None, **images)
+    decode.cache.write_blocks(block_ids, kv)
+    decode.admit_transferred("h")
+    tokens, failures = first, []
+    for n in range(3 * MAX_TOKENS):
+        if n == 2:  # debug hook: preempted as if the decode worker ran out of blocks
+            decode.scheduler._preempt(decode.scheduler.requests["h"])
+        for out in decode.step():
+            tokens = out.outputs[0].token_ids
+        failures += decode.take_request_failures()
+        if not decode.has_unfinished_requests():
+            break
+    return list(tokens), failures
+
+
+@pytest.mark.slow
+def test_decode_worker_recompute_takes_image_embeddings_from_the_store(llava_pairs, tmp_path):
+    """A decode worker that recomputes a preempted image request splices the image's embeddings
+    (fetched from the shared store, as an encode/prefill worker left them): the tokens are the
+    colocated engine's."""
+    from deepinfer.multimodal.embedding_store import open_embedding_tier
+    llm, _ = llava_pairs["clip"]
+    chat = _chat(synthetic_image(30))
+    expected = llm.chat(chat, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    image = llm._processor().process_chat(chat)[1].placeholders[0]
+    store_url = f"fs://{tmp_path / 'store'}"
+    open_embedding_tier(store_url, llm.engine.source).put(image.image_hash,
+                                                          llm.engine.embedding_cache.get(image.image_hash))
+    tokens, failures = _decode_side_recompute(llm, chat, store_url)
+    assert not failures and tokens == expected
+
+
+@pytest.mark.slow
+def test_decode_worker_recompute_without_embeddings_fails_clearly(llava_pairs):
+    llm, _ = llava_pairs["clip"]
+    tokens, failures = _decode_side_recompute(llm, _chat(synthetic_image(31)))
+    assert [f.request_id for f in failures] == ["h"]
+    assert "preempted on its decode worker" in failures[0].message and "embeddings" in failures[0].message
+    assert len(tokens) < MAX_TOKENS  # nothing computed without the image after the preemption
