@@ -1,34 +1,30 @@
 """E/P/D through `deepinfer serve --encode-workers 1 --prefill-workers 1 --decode-workers 1`
-(tiny CLIP LLaVA, official openai client, data URLs): greedy tokens equal colocated serving's;
-the same image sent again is an encode-cache hit (deepinfer:encode_cache_hits) and its image
-tokens are cached prompt tokens; a different image of the same size shares no block; every
-bad-image case gets a 400 with a message and a good request succeeds afterwards, on the E/P/D
-server and on a colocated one."""
+(tiny CLIP LLaVA, official openai client, data URLs): greedy tokens equal the offline engine's
+(LLM.chat with the same images); the same image sent again is an encode-cache hit
+(deepinfer:encode_cache_hits) and its image tokens are cached prompt tokens; a different image of
+the same size shares no block; every bad-image case gets a 400 with a message and a good request
+succeeds afterwards. The colocated server's side of these checks is test_llava_serve.py (one
+server start here, not two)."""
 from __future__ import annotations
 
-import base64
 import io
 
 import openai
 import pytest
+from PIL import Image
 
 from deepinfer import LLM, SamplingParams
 from tests.integration.llava_checkpoints import synthetic_image
 from tests.integration.serve_process import ServeProcess
+from tests.integration.test_llava_serve import MEDIA_ARGS, bad_image_cases, data_url
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
 BLOCK_SIZE = 16
 SERVER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE),
-               "--threads", "1", "--seed", "0", "--limit-mm-per-prompt", '{"image": 2}',
-               "--max-image-pixels", "10000")
-
-
-def data_url(image, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+               "--threads", "1", "--seed", "0", *MEDIA_ARGS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def image_parts(*urls: str, text: str = "Describe.") -> list[dict]:
@@ -53,31 +49,34 @@ def cached_tokens(response) -> int:
     return (details.cached_tokens or 0) if details is not None else 0
 
 
-def start(model_dir: str, *extra: str) -> ServeProcess:
-    server = ServeProcess("--model", model_dir, *SERVER_ARGS, *extra)
-    try:
-        server.wait_ready(300)
-    except Exception:
-        server.stop()
-        raise
-    return server
-
-
 @pytest.fixture(scope="module")
 def servers(llava_checkpoints, tmp_path_factory):
-    """{"epd": E1/P1/D1 server, "colocated": one engine process}, started together."""
+    """{"epd": E1/P1/D1 server, "offline": the offline engine on the same checkpoint}."""
     directory = llava_checkpoints["clip"]
     store = tmp_path_factory.mktemp("epd-store")
     epd = ServeProcess("--model", directory, *SERVER_ARGS, "--encode-workers", "1", "--prefill-workers", "1",
                        "--decode-workers", "1", "--kv-store", f"fs://{store}")
-    colocated = ServeProcess("--model", directory, *SERVER_ARGS)
     try:
+        # Loaded while the workers start (the server's start-up dominates).
+        offline = LLM(model=directory, dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE, seed=0)
         epd.wait_ready(300)
-        colocated.wait_ready(300)
-        yield {"epd": epd, "colocated": colocated, "model_dir": directory}
+        yield {"epd": epd, "offline": offline}
     finally:
         epd.stop()
-        colocated.stop()
+
+
+def offline_tokens(llm: LLM, *images, text: str = "Describe.") -> list[int]:
+    """The offline engine's greedy tokens for the chat `image_parts` sends (images as the
+    server decodes them: a JPEG is compared after its lossy round trip)."""
+    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    out, = llm.chat([[{"role": "user", "content": parts}]], GREEDY, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def jpeg_round_trip(image):
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG")
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
 
 
 def client_for(server: ServeProcess) -> openai.OpenAI:
@@ -93,12 +92,12 @@ def encode_metric(server: ServeProcess, name: str, label: str = "") -> float:
     return total
 
 
-def test_epd_matches_colocated_and_reuses_cached_images(servers):
-    epd, colocated = client_for(servers["epd"]), client_for(servers["colocated"])
+def test_epd_matches_the_offline_engine_and_reuses_cached_images(servers):
+    epd, offline = client_for(servers["epd"]), servers["offline"]
     a, b, c = synthetic_image(20), synthetic_image(21), synthetic_image(22, (50, 30))
-    for content in (image_parts(data_url(a)),
-                    image_parts(data_url(b), data_url(c, "JPEG"), text="Compare.")):
-        assert token_ids(chat(epd, content)) == token_ids(chat(colocated, content))
+    assert token_ids(chat(epd, image_parts(data_url(a)))) == offline_tokens(offline, a)
+    assert token_ids(chat(epd, image_parts(data_url(b), data_url(c, "JPEG"), text="Compare."))) \
+        == offline_tokens(offline, b, jpeg_round_trip(c), text="Compare.")
     assert encode_metric(servers["epd"], "images_encoded_total") == 3
     assert encode_metric(servers["epd"], "cache_hits_total", 'tier="local"') == 0
 
@@ -110,47 +109,17 @@ def test_epd_matches_colocated_and_reuses_cached_images(servers):
     assert cached_tokens(first) == (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE >= BLOCK_SIZE
 
     # A different image of the same size: equal prompt length, its first block already holds
-    # image tokens, so nothing is shared, and the tokens are colocated serving's for that image.
-    d = image_parts(data_url(synthetic_image(23)))
-    other = chat(epd, d)
+    # image tokens, so nothing is shared, and the tokens are the offline engine's for that image.
+    d = synthetic_image(23)
+    other = chat(epd, image_parts(data_url(d)))
     assert other.usage.prompt_tokens == num_prompt and cached_tokens(other) == 0
-    assert token_ids(other) == token_ids(chat(colocated, d))
+    assert token_ids(other) == offline_tokens(offline, d)
+    assert token_ids(other) != token_ids(first)  # the image rows reach the logits
 
 
-def test_offline_engine_agrees_with_the_epd_server(servers):
-    """The E/P/D tokens are also those of the offline engine (LLM.chat with PIL images)."""
-    image = synthetic_image(24)
-    llm = LLM(model=servers["model_dir"], dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE, seed=0)
-    ref, = llm.chat([[{"role": "user", "content": [{"type": "image", "image": image},
-                                                   {"type": "text", "text": "Describe."}]}]],
-                    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert token_ids(chat(client_for(servers["epd"]), image_parts(data_url(image)))) == ref.outputs[0].token_ids
-
-
-def _bad_cases():
-    good = data_url(synthetic_image(5))
-    big = io.BytesIO()
-    synthetic_image(6, (200, 100)).save(big, format="PNG")  # 20000 pixels > --max-image-pixels
-    gif = io.BytesIO()
-    synthetic_image(7).save(gif, format="GIF")
-    return {
-        "corrupt base64": ("data:image/png;base64,@@not-base64@@", "not valid base64"),
-        "not an image": ("data:image/png;base64," + base64.b64encode(b"plain text").decode(),
-                         "not a PNG, JPEG or WebP"),
-        "too many pixels": ("data:image/png;base64," + base64.b64encode(big.getvalue()).decode(),
-                            "too many pixels"),
-        "unsupported format": ("data:image/png;base64," + base64.b64encode(gif.getvalue()).decode(),
-                               "Unsupported image format GIF"),
-        "remote url": ("https://example.com/cat.png", "Remote image URLs are refused"),
-        "local file": ("file:///etc/hostname", "--allowed-local-media-path"),
-        "too many images": ([good, good, good], "At most 2 image"),
-    }
-
-
-@pytest.mark.parametrize("mode", ["epd", "colocated"])
-def test_bad_images_get_400_then_a_good_request_succeeds(servers, mode):
-    client = client_for(servers[mode])
-    for name, (url, words) in _bad_cases().items():
+def test_bad_images_get_400_then_a_good_request_succeeds(servers):
+    client = client_for(servers["epd"])
+    for name, (url, words) in bad_image_cases().items():
         urls = url if isinstance(url, list) else [url]
         with pytest.raises(openai.BadRequestError) as info:
             chat(client, image_parts(*urls))

@@ -1,7 +1,8 @@
 """LLaVA through `deepinfer serve` (colocated) with the official `openai` client sending PNG
 data URLs: greedy tokens equal transformers fp32 for one and two images; the same image again
 is a prefix hit (its image tokens are cached prompt tokens); a different image shares no block;
-bad images get a 400 and the server keeps serving."""
+every bad-image case gets a 400 with its message and the server keeps serving (the same cases
+as the E/P/D server in test_encode_workers.py, which shares `data_url` and `bad_image_cases`)."""
 from __future__ import annotations
 
 import base64
@@ -18,16 +19,42 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
-def data_url(image) -> str:
+def data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+MAX_IMAGE_PIXELS = 10000
+# The served flags the bad-image cases rely on (at most 2 images, MAX_IMAGE_PIXELS pixels).
+MEDIA_ARGS = ("--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", str(MAX_IMAGE_PIXELS))
+
+
+def bad_image_cases() -> dict:
+    """name -> (url or list of urls, words the 400's message must contain)."""
+    good = data_url(synthetic_image(5))
+    big = io.BytesIO()
+    synthetic_image(6, (200, 100)).save(big, format="PNG")  # 20000 pixels > MAX_IMAGE_PIXELS
+    gif = io.BytesIO()
+    synthetic_image(7).save(gif, format="GIF")
+    return {
+        "corrupt base64": ("data:image/png;base64,@@not-base64@@", "not valid base64"),
+        "not an image": ("data:image/png;base64," + base64.b64encode(b"plain text").decode(),
+                         "not a PNG, JPEG or WebP"),
+        "too many pixels": ("data:image/png;base64," + base64.b64encode(big.getvalue()).decode(),
+                            "too many pixels"),
+        "unsupported format": ("data:image/png;base64," + base64.b64encode(gif.getvalue()).decode(),
+                               "Unsupported image format GIF"),
+        "remote url": ("https://example.com/cat.png", "Remote image URLs are refused"),
+        "local file": ("file:///etc/hostname", "--allowed-local-media-path"),
+        "too many images": ([good, good, good], "At most 2 image"),
+    }
 
 
 @pytest.fixture(scope="module")
 def llava_server(llava_checkpoints):
     server = ServeProcess("--model", llava_checkpoints["siglip"], "--dtype", "float32", "--threads", "1",
-                          "--kv-cache-memory", "16MiB", "--limit-mm-per-prompt", '{"image": 2}')
+                          "--kv-cache-memory", "16MiB", *MEDIA_ARGS)
     try:
         server.wait_ready()
         yield server
@@ -85,14 +112,12 @@ def test_openai_client_image_chats_match_transformers_and_hit_the_prefix_cache(l
 def test_bad_images_get_a_400_then_a_good_request_succeeds(llava_server):
     import openai
 
-    client = openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    bad_urls = ["data:image/png;base64,not-base64!!", "data:image/png;base64," + base64.b64encode(b"nope").decode(),
-                "http://example.com/cat.png", "file:///etc/passwd"]
-    for url in bad_urls:
-        with pytest.raises(openai.BadRequestError):
+    for name, (url, words) in bad_image_cases().items():
+        urls = url if isinstance(url, list) else [url]
+        with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, max_tokens=2, messages=[
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
-    with pytest.raises(openai.BadRequestError, match="At most 2 image"):
-        _chat(client, *(synthetic_image(30 + i) for i in range(3)))
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}])
+        assert words in str(info.value), (name, str(info.value))
     assert len(_chat(client, synthetic_image(40)).choices[0].model_extra["token_ids"]) == MAX_TOKENS
