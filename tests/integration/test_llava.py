@@ -100,14 +100,16 @@ def test_images_split_across_prefill_chunks_match_transformers(llava_pairs):
         assert out.outputs[0].token_ids == hf_greedy(hf, token_ids, pixels, MAX_TOKENS)
 
 
-def _decode_side_recompute(llm, chat, store_url=None, pass_images=True):
-    """P/D in process: `llm`'s engine prefills `chat`, its prompt KV goes to a
-    `DisaggDecodeEngine` (no prefix caching: a recompute covers the image) that is made to
-    preempt the request after two tokens and recompute it. Returns (token ids, failures)."""
+def _decode_side_recompute(llm, chat, store_url=None):
+    """P/D in process: `llm`'s engine prefills `chat`, its prompt KV goes to a decode worker's
+    engine (no prefix caching: a recompute covers the image) and loop (no sockets), and the
+    request is preempted after two tokens and recomputed there.
+    Returns (token ids, the errors the decode worker reports)."""
     import time
 
     from deepinfer.cluster.decode_engine import DisaggDecodeEngine
-    from deepinfer.cluster.prefill_images import attach_embedding_store
+    from deepinfer.cluster.decode_worker import DecodeWorkerLoop
+    from deepinfer.cluster.worker_spec import WorkerSpec
     from deepinfer.engine.engine_config import EngineConfig
 
     prefill = llm.engine
@@ -122,21 +124,24 @@ def _decode_side_recompute(llm, chat, store_url=None, pass_images=True):
     decode = DisaggDecodeEngine(EngineConfig(model=None, dtype="float32", num_kv_blocks=16, block_size=16,
                                              enable_prefix_caching=False),
                                 source=prefill.source, model=prefill.model, tokenizer=prefill.tokenizer)
-    attach_embedding_store(decode, store_url)
-    images = {"mm_inputs": mm.without_pixels()} if pass_images else {}
-    block_ids = decode.add_transferred_request("h", prompt, GREEDY, time.monotonic(), first[0], None, **images)
+    loop = DecodeWorkerLoop(WorkerSpec("decode-0", "decode", decode.config, "", "", kv_store_url=store_url),
+                            decode, None, None, transport=None)
+    block_ids = decode.add_transferred_request("h", prompt, GREEDY, time.monotonic(), first[0], None,
+                                               mm_inputs=mm.without_pixels())  # as DecodeRequest carries it
     decode.cache.write_blocks(block_ids, kv)
     decode.admit_transferred("h")
-    tokens, failures = first, []
+    loop.tracker.resume("h", num_tokens=1, num_text_chars=0)
+    tokens = first
     for n in range(3 * MAX_TOKENS):
         if n == 2:  # debug hook: preempted as if the decode worker ran out of blocks
             decode.scheduler._preempt(decode.scheduler.requests["h"])
-        for out in decode.step():
+        outputs = decode.step()
+        loop.after_step(outputs)
+        for out in outputs:
             tokens = out.outputs[0].token_ids
-        failures += decode.take_request_failures()
         if not decode.has_unfinished_requests():
             break
-    return list(tokens), failures
+    return list(tokens), loop._errors
 
 
 @pytest.mark.slow
@@ -152,14 +157,14 @@ def test_decode_worker_recompute_takes_image_embeddings_from_the_store(llava_pai
     store_url = f"fs://{tmp_path / 'store'}"
     open_embedding_tier(store_url, llm.engine.source).put(image.image_hash,
                                                           llm.engine.embedding_cache.get(image.image_hash))
-    tokens, failures = _decode_side_recompute(llm, chat, store_url)
-    assert not failures and tokens == expected
+    tokens, errors = _decode_side_recompute(llm, chat, store_url)
+    assert not errors and tokens == expected
 
 
 @pytest.mark.slow
 def test_decode_worker_recompute_without_embeddings_fails_clearly(llava_pairs):
     llm, _ = llava_pairs["clip"]
-    tokens, failures = _decode_side_recompute(llm, _chat(synthetic_image(31)))
-    assert [f.request_id for f in failures] == ["h"]
-    assert "preempted on its decode worker" in failures[0].message and "embeddings" in failures[0].message
+    tokens, errors = _decode_side_recompute(llm, _chat(synthetic_image(31)))
+    assert [e.request_id for e in errors] == ["h"]
+    assert "preempted on its decode worker" in errors[0].message and "embeddings" in errors[0].message
     assert len(tokens) < MAX_TOKENS  # nothing computed without the image after the preemption
