@@ -28,7 +28,7 @@ class DraftRunner(ModelRunner):
         of each one's last token, [N, hidden] in `scheduled` order. `row_inputs[i]`:
         per-token extra input of request i ([num_new_tokens, d], e.g. the target's hidden
         states for MTP), passed to the model as its fourth argument."""
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
+        order = sorted(range(len(scheduled)), key=lambda i: not self._as_decode(scheduled[i]))
         ordered = [scheduled[i] for i in order]
         input_ids, positions, meta, _, _ = self._prepare(ordered)
         attn = self._attention_backend(meta)
