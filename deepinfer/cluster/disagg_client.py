@@ -45,6 +45,7 @@ from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequ
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
@@ -184,31 +185,21 @@ class DisaggClient:
                        asyncio.create_task(self._health_loop(), name="cluster-health-loop")]
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.cluster.ready_timeout_s
-        pending = set(self.workers)
-        while pending:
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"workers not ready after {self.cluster.ready_timeout_s:.0f}"
-                                      f" s: {sorted(pending)}")
-            if not await self._output.poll(500):
-                for wid in pending:
-                    proc = self.workers[wid].proc
-                    if not proc.is_alive():
-                        raise EngineDeadError(f"{wid} exited with code {proc.exitcode}")
-                continue
-            message = self._decoder.decode(await self._output.recv())
-            if isinstance(message, WorkerFailed):
-                raise EngineDeadError(f"{message.worker_id} failed to start:\n{message.message}")
-            if isinstance(message, WorkerReady):
-                self.workers[message.worker_id].ready = message
-                pending.discard(message.worker_id)
-                if self.tokenizer is None:
-                    self.model_name = message.model_name
-                    self.max_model_len = message.max_model_len
-                    self.vocab_size = message.vocab_size
-                    self.tokenizer = pickle.loads(message.tokenizer_pickle)
-            elif isinstance(message, WorkerReport):
-                await self._on_report(message)
+        await await_workers_ready(self._output, self._decoder, self.workers,
+                                  self.cluster.ready_timeout_s, "workers", self._on_startup_message)
+
+    async def _on_startup_message(self, message) -> str | None:
+        if isinstance(message, WorkerReady):
+            self.workers[message.worker_id].ready = message
+            if self.tokenizer is None:
+                self.model_name = message.model_name
+                self.max_model_len = message.max_model_len
+                self.vocab_size = message.vocab_size
+                self.tokenizer = pickle.loads(message.tokenizer_pickle)
+            return message.worker_id
+        if isinstance(message, WorkerReport):
+            await self._on_report(message)
+        return None
 
     async def shutdown(self) -> None:
         for task in self._tasks:

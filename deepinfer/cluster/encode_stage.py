@@ -31,6 +31,7 @@ from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_RE
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
@@ -144,26 +145,17 @@ class EncodeStage:
         worker.proc.start()
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        pending = set(self.workers)
-        while pending:
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"encode workers not ready after "
-                                      f"{self.config.ready_timeout_s:.0f} s: {sorted(pending)}")
-            if not await self._output.poll(500):
-                for wid in pending:
-                    proc = self.workers[wid].proc
-                    if not proc.is_alive():
-                        raise EngineDeadError(f"{wid} exited with code {proc.exitcode}")
-                continue
-            message = self._decoder.decode(await self._output.recv())
-            if isinstance(message, WorkerFailed):
-                raise EngineDeadError(f"{message.worker_id} failed to start:\n{message.message}")
-            if isinstance(message, EncodeWorkerReady):
-                self.workers[message.worker_id].ready = True
-                pending.discard(message.worker_id)
-            elif isinstance(message, EncodeWorkerReport):
-                self._on_report(message)
+        await await_workers_ready(self._output, self._decoder, self.workers,
+                                  self.config.ready_timeout_s, "encode workers",
+                                  self._on_startup_message)
+
+    async def _on_startup_message(self, message) -> str | None:
+        if isinstance(message, EncodeWorkerReady):
+            self.workers[message.worker_id].ready = True
+            return message.worker_id
+        if isinstance(message, EncodeWorkerReport):
+            self._on_report(message)
+        return None
 
     async def shutdown(self) -> None:
         for task in self._tasks:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 import traceback
 from collections import deque
@@ -30,12 +28,12 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import zmq
 
 from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerReady, EncodeWorkerReport,
                                                encode_input_decoder)
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.cluster.worker_proc import open_worker_process
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
@@ -296,17 +294,8 @@ class EncodeWorkerLoop:
 def run_encode_worker_proc(spec: EncodeWorkerSpec) -> None:
     """Spawn target. Exits on ShutdownWorker, when the front is gone, or on error (after
     sending `WorkerFailed`)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
-    logging.basicConfig(level=spec.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {spec.worker_id}: %(message)s")
-    ctx = zmq.Context()
-    input_socket = ctx.socket(zmq.PULL)
-    input_socket.connect(spec.input_addr)
-    output_socket = ctx.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(spec.output_addr)
+    ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
+                                                           spec.input_addr, spec.output_addr)
     encoder = make_encoder()
     tier = None
     try:

@@ -65,23 +65,32 @@ def _heartbeat_thread(spec: WorkerSpec, ctx: zmq.Context, loop, stop: threading.
     socket.close(linger=0)
 
 
-def run_worker_proc(spec: WorkerSpec) -> None:
-    """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
-    (after sending `WorkerFailed`)."""
-    if threading.current_thread() is threading.main_thread():  # a Ray actor runs it in a thread
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front shuts workers down
-    if spec.cpu_ids is not None:
-        from deepinfer.cluster.cpu_affinity import pin_to_cpus
-        pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
-    logging.basicConfig(level=spec.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {spec.worker_id}: %(message)s")
+def open_worker_process(worker_id: str, log_level: str, input_addr: str, output_addr: str):
+    """A worker process's common start: SIGINT left to the front (which shuts workers down;
+    a Ray actor runs the loop in a thread, where signals cannot be set), logging tagged with
+    the worker id, and its two sockets -> (context, input PULL, output PUSH)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {worker_id}: %(message)s")
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
-    input_socket.connect(spec.input_addr)
+    input_socket.connect(input_addr)
     output_socket = ctx.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(spec.output_addr)
+    output_socket.connect(output_addr)
+    return ctx, input_socket, output_socket
+
+
+def run_worker_proc(spec: WorkerSpec) -> None:
+    """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
+    (after sending `WorkerFailed`)."""
+    if spec.cpu_ids is not None:
+        from deepinfer.cluster.cpu_affinity import pin_to_cpus
+        pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
+    ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
+                                                           spec.input_addr, spec.output_addr)
     encoder = make_encoder()
     transport = tier = None
     try:
