@@ -25,10 +25,9 @@ import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_front_rank_decoder
-from deepinfer.ep.rank_group_handle import (MAX_EPLB_HISTORY, GroupHandle, RankHandle,
-                                            exit_message)
+from deepinfer.ep.rank_group_handle import MAX_EPLB_HISTORY, GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.engine_client import EngineDeadError, exit_message
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
                                        EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, make_front_rank_decoder
 from deepinfer.ep.process_group import free_port
 from deepinfer.ep.rank_proc import run_rank_proc
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.engine_client import EngineDeadError, exit_message
 from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
 
 
@@ -122,13 +121,3 @@ class GroupHandle:
             for sock in (h.input, h.output):
                 if not sock.closed:
                     sock.close(linger=0)
-
-
-def exit_message(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode}"

@@ -277,7 +277,8 @@ class EngineClient:
                 if not await output_socket.poll(500):
                     if not proc.is_alive():
                         await self._on_engine_dead(proc, input_socket, output_socket,
-                                                   _exit_message(proc.exitcode))
+                                                   f"the engine process "
+                                                   f"{exit_message(proc.exitcode)}")
                         return
                     continue
                 message = self._decoder.decode(await output_socket.recv())
@@ -322,14 +323,16 @@ class EngineClient:
             queue.put_nowait(_RequestFailed(EngineDeadError(message)))
 
 
-def _exit_message(exitcode: int | None) -> str:
+def exit_message(exitcode: int | None) -> str:
+    """How a process ended, from its exit code: "was killed by SIGKILL", "exited with code 1"
+    (also the EP rank handles' wording)."""
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        return f"the engine process was killed by {name}"
-    return f"the engine process exited with code {exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
