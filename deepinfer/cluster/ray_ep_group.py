@@ -23,13 +23,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-import zmq
-
-from deepinfer.cluster.ray_launcher import (ACTOR_MAX_CONCURRENCY, DEFAULT_EP_STRATEGY,
-                                            EP_PLACEMENT_STRATEGIES, RayActorProcess,
-                                            RoleResources, connect_ray, front_host_for)
+from deepinfer.cluster.ray_launcher import (DEFAULT_EP_STRATEGY, EP_PLACEMENT_STRATEGIES,
+                                            RayActorProcess, RoleResources, connect_actors,
+                                            disconnect_ray)
 from deepinfer.ep.dp_client import DataParallelClient
-from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
+from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle, front_sockets
 from deepinfer.server.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -144,15 +142,11 @@ class RayRankPlacement:
         if strategy not in EP_PLACEMENT_STRATEGIES:
             raise ValueError(f"--ep-placement-strategy must be one of "
                              f"{', '.join(EP_PLACEMENT_STRATEGIES)}, got {strategy!r}")
-        import ray
         self.resources = resources or RoleResources()
         self.strategy = strategy
         self.address = address
-        self._owns_ray = connect_ray(address, init_kwargs)
-        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        self._front_host = front_host_for(address, front_host)
-        self._actor_class = ray.remote(max_restarts=0, max_task_retries=0,
-                                       max_concurrency=ACTOR_MAX_CONCURRENCY)(RankActor)
+        self._owns_ray, self._has_gpus, self._front_host, self._actor_class = connect_actors(
+            address, front_host, init_kwargs, RankActor)
 
     def front_host(self) -> str:
         return self._front_host
@@ -203,9 +197,7 @@ class RayRankPlacement:
             logger.warning("could not remove a placement group: %s", exc)
 
     def close(self) -> None:
-        import ray
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+        disconnect_ray(self._owns_ray)
 
 
 @dataclass
@@ -216,45 +208,32 @@ class RayGroupHandle(GroupHandle):
     pg: object = None  # this incarnation's placement group
     rendezvous: tuple[str, int] | None = None  # torch.distributed master (rank 0's node IP)
 
-    async def start(self, ctx, ipc_dir: str, engine_config, ep_config, log_level: str,
-                    ready_timeout_s: float) -> None:
-        self.incarnation += 1
-        self.ranks = []
-        deadline = time.monotonic() + ready_timeout_s
-        try:
-            self.pg = await asyncio.to_thread(self.placement.reserve, self.size, ready_timeout_s)
-            host = self.placement.front_host()
-            for r in range(self.size):
-                proc = self.placement.rank_process(
-                    self.pg, r, f"deepinfer-g{self.index}-rank{r}-{self.incarnation}")
-                proc.create()
-                input_socket = ctx.socket(zmq.PUSH)
-                input_socket.setsockopt(zmq.SNDHWM, 0)
-                input_port = input_socket.bind_to_random_port(f"tcp://{host}")
-                output_socket = ctx.socket(zmq.PULL)
-                output_socket.setsockopt(zmq.RCVHWM, 0)
-                output_port = output_socket.bind_to_random_port(f"tcp://{host}")
-                proc.addresses = (f"tcp://{host}:{input_port}", f"tcp://{host}:{output_port}")
-                self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
-                                             input_socket, output_socket))
-            master_addr, port = "127.0.0.1", None
-            if ep_config.enable_expert_parallel:
-                master_addr, port = await asyncio.to_thread(
-                    self._rendezvous, self.ranks[0].proc, deadline - time.monotonic())
-                self.rendezvous = (master_addr, port)
-            for h in self.ranks:
-                h.proc.start_rank(engine_config=engine_config, ep_config=ep_config, rank=h.rank,
-                                  port=port, input_addr=h.proc.addresses[0],
-                                  output_addr=h.proc.addresses[1], parent_pid=None,
-                                  log_level=log_level, master_addr=master_addr)
-            await asyncio.gather(*(self._wait_up(h, max(1.0, deadline - time.monotonic()))
-                                   for h in self.ranks))
-        except BaseException:
-            await self.kill()
-            raise
-        self.healthy, self.dead_message = True, None
-        self.healthy_since = time.monotonic()
-        self.lost.clear()
+    async def _start_ranks(self, ctx, ipc_dir: str, engine_config, ep_config, log_level: str,
+                           deadline: float) -> None:
+        self.pg = await asyncio.to_thread(self.placement.reserve, self.size,
+                                          deadline - time.monotonic())
+        host = self.placement.front_host()
+        for r in range(self.size):
+            proc = self.placement.rank_process(
+                self.pg, r, f"deepinfer-g{self.index}-rank{r}-{self.incarnation}")
+            proc.create()
+            input_socket, output_socket = front_sockets(ctx)
+            input_port = input_socket.bind_to_random_port(f"tcp://{host}")
+            output_port = output_socket.bind_to_random_port(f"tcp://{host}")
+            proc.addresses = (f"tcp://{host}:{input_port}", f"tcp://{host}:{output_port}")
+            self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
+                                         input_socket, output_socket))
+        master_addr, port = "127.0.0.1", None
+        if ep_config.enable_expert_parallel:
+            master_addr, port = await asyncio.to_thread(
+                self._rendezvous, self.ranks[0].proc, deadline - time.monotonic())
+            self.rendezvous = (master_addr, port)
+        for h in self.ranks:
+            h.proc.start_rank(engine_config=engine_config, ep_config=ep_config, rank=h.rank,
+                              port=port, input_addr=h.proc.addresses[0],
+                              output_addr=h.proc.addresses[1], parent_pid=None,
+                              log_level=log_level, master_addr=master_addr)
+        await self._wait_all_up(deadline)
 
     @staticmethod
     def _rendezvous(rank0: RayRankProcess, timeout_s: float) -> tuple[str, int]:

@@ -308,6 +308,27 @@ def front_host_for(address: str | None, front_host: str | None) -> str:
     return ray.util.get_node_ip_address()
 
 
+def connect_actors(address: str | None, front_host: str | None, init_kwargs: dict | None,
+                   actor_cls) -> tuple[bool, bool, str, object]:
+    """Connect (`connect_ray`) and declare `actor_cls` as every DeepInfer actor: Ray never
+    restarts it (the front's supervisor does), threaded. -> (whether this call connected,
+    whether the cluster has GPUs, the front's bind address, the remote class)."""
+    import ray
+    owns_ray = connect_ray(address, init_kwargs)
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    host = front_host_for(address, front_host)
+    actor_class = ray.remote(max_restarts=0, max_task_retries=0,
+                             max_concurrency=ACTOR_MAX_CONCURRENCY)(actor_cls)
+    return owns_ray, has_gpus, host, actor_class
+
+
+def disconnect_ray(owns_ray: bool) -> None:
+    """Shut Ray down if `connect_ray` connected this process (not a Ray someone else runs)."""
+    import ray
+    if owns_ray and ray.is_initialized():
+        ray.shutdown()
+
+
 class RayLauncher:
     """Connects to Ray (an already initialised Ray, `address`, RAY_ADDRESS, a cluster started
     with `ray start` on this machine, else a new local one) and places workers as actors."""
@@ -317,7 +338,6 @@ class RayLauncher:
     def __init__(self, address: str | None = None, role_resources: dict | None = None,
                  kv_store_shared: bool = False, front_host: str | None = None,
                  init_kwargs: dict | None = None) -> None:
-        import ray
         role_resources = dict(role_resources or {})
         unknown = set(role_resources) - set(CLUSTER_ROLES)
         if unknown:
@@ -325,11 +345,8 @@ class RayLauncher:
         self.role_resources = {r: role_resources.get(r) or RoleResources() for r in CLUSTER_ROLES}
         self.kv_store_shared = kv_store_shared
         self.address = address
-        self._owns_ray = connect_ray(address, init_kwargs)
-        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        self._front_host = front_host_for(address, front_host)
-        self._actor_class = ray.remote(max_restarts=0, max_task_retries=0,
-                                       max_concurrency=ACTOR_MAX_CONCURRENCY)(WorkerActor)
+        self._owns_ray, self._has_gpus, self._front_host, self._actor_class = connect_actors(
+            address, front_host, init_kwargs, WorkerActor)
 
     def front_host(self) -> str:
         """Where the front binds its sockets: an address every worker node can reach."""
@@ -376,6 +393,4 @@ class RayLauncher:
         return {"launcher": self.name, **(proc.info or {}), "resources": proc._options}
 
     def close(self) -> None:
-        import ray
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+        disconnect_ray(self._owns_ray)

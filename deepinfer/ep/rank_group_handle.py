@@ -62,19 +62,30 @@ class GroupHandle:
 
     async def start(self, ctx: zmq.asyncio.Context, ipc_dir: str, engine_config,
                     ep_config: EPConfig, log_level: str, ready_timeout_s: float) -> None:
-        """Spawn every rank, wait for each one's EngineReady and first report. Raises
+        """Start every rank, wait for each one's EngineReady and first report. Raises
         EngineDeadError (all of them killed) if any rank does not come up."""
         self.incarnation += 1
+        self.ranks = []
+        try:
+            await self._start_ranks(ctx, ipc_dir, engine_config, ep_config, log_level,
+                                    time.monotonic() + ready_timeout_s)
+        except BaseException:
+            await self.kill()
+            raise
+        self.healthy, self.dead_message = True, None
+        self.healthy_since = time.monotonic()
+        self.lost.clear()
+
+    async def _start_ranks(self, ctx, ipc_dir: str, engine_config, ep_config: EPConfig,
+                           log_level: str, deadline: float) -> None:
+        """Spawn the ranks as processes of this machine (ipc sockets, 127.0.0.1 rendezvous)
+        and wait until every one is up; a Ray group places actors instead."""
         port = free_port() if ep_config.enable_expert_parallel else None
         spawn = multiprocessing.get_context("spawn")
-        self.ranks = []
         for r in range(self.size):
             name = f"ipc://{ipc_dir}/g{self.index}-r{r}-{self.incarnation}-%s"
-            input_socket = ctx.socket(zmq.PUSH)
-            input_socket.setsockopt(zmq.SNDHWM, 0)
+            input_socket, output_socket = front_sockets(ctx)
             input_socket.bind(name % "in")
-            output_socket = ctx.socket(zmq.PULL)
-            output_socket.setsockopt(zmq.RCVHWM, 0)
             output_socket.bind(name % "out")
             proc = spawn.Process(target=run_rank_proc, name=f"deepinfer-g{self.index}-rank{r}",
                                  daemon=True,
@@ -83,14 +94,11 @@ class GroupHandle:
             proc.start()
             self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
                                          input_socket, output_socket))
-        try:
-            await asyncio.gather(*(self._wait_up(h, ready_timeout_s) for h in self.ranks))
-        except BaseException:
-            await self.kill()
-            raise
-        self.healthy, self.dead_message = True, None
-        self.healthy_since = time.monotonic()
-        self.lost.clear()
+        await self._wait_all_up(deadline)
+
+    async def _wait_all_up(self, deadline: float) -> None:
+        await asyncio.gather(*(self._wait_up(h, max(1.0, deadline - time.monotonic()))
+                               for h in self.ranks))
 
     @staticmethod
     async def _wait_up(handle: RankHandle, timeout_s: float) -> None:
@@ -121,3 +129,13 @@ class GroupHandle:
             for sock in (h.input, h.output):
                 if not sock.closed:
                     sock.close(linger=0)
+
+
+def front_sockets(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    """The front's (input PUSH, output PULL) pair for one rank, unbound; no high-water marks,
+    so neither side ever blocks on the other."""
+    input_socket = ctx.socket(zmq.PUSH)
+    input_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket = ctx.socket(zmq.PULL)
+    output_socket.setsockopt(zmq.RCVHWM, 0)
+    return input_socket, output_socket

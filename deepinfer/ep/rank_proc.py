@@ -13,13 +13,11 @@ import dataclasses
 import logging
 import os
 import pickle
-import signal
-import threading
 import traceback
 
 import torch
-import zmq
 
+from deepinfer.cluster.worker_proc import open_worker_process
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.server.messages import EngineDead, EngineReady, make_encoder
 
@@ -86,17 +84,9 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
 def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | None,
                   input_addr: str, output_addr: str, parent_pid: int | None,
                   log_level: str = "WARNING", master_addr: str = "127.0.0.1") -> None:
-    if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front stops us with Shutdown
-    logging.basicConfig(level=log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
-    ctx = zmq.Context()
-    input_socket = ctx.socket(zmq.PULL)
-    input_socket.connect(input_addr)
-    output_socket = ctx.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_addr)
+    # SIGINT ignored (the front stops us with Shutdown), log lines tagged, sockets opened.
+    ctx, input_socket, output_socket = open_worker_process(f"rank {rank}", log_level,
+                                                           input_addr, output_addr)
     encoder = make_encoder()
     try:
         engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port,
