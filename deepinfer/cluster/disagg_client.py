@@ -453,6 +453,12 @@ class DisaggClient:
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_dead(message.worker_id, f"worker failed: "
                                            f"{message.message.strip().splitlines()[-1]}")
+            else:
+                self._on_other_message(message)
+
+    def _on_other_message(self, message) -> None:
+        """A message a subclass added to the worker protocol (its `_decoder` reads it), e.g.
+        the EPLB results of an expert-parallel decode group."""
 
     def _on_heartbeat(self, beat: WorkerHeartbeat) -> None:
         handle = self.workers.get(beat.worker_id)

@@ -21,6 +21,7 @@ import torch
 
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.ep.ep_config import EPConfig
+from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,9 @@ class EPDecodeWorkerLoop(DecodeWorkerLoop):
             with torch.inference_mode():
                 self.runtime.run_empty_step()
         report = self.runtime.end_step(False)
-        if report is not None and self.rank_group.rank == 0:
-            logger.info("EPLB rebalance at step %d: balancedness %.3f -> %.3f, %d slots moved "
-                        "(%d bytes) in %.0f ms", report.step, report.balancedness_before,
-                        report.balancedness_after, report.num_moved_slots, report.moved_bytes,
-                        report.duration_s * 1000)
+        if report is not None and self.rank_group.rank == 0:  # the same on every rank
+            self.output_socket.send(self.encoder.encode(WorkerEPLBStats(
+                self.spec.worker_id, EPLBStats.of(report, self.runtime))), copy=False)
 
 
 def build_ep_decode(spec, input_socket, output_socket):

@@ -25,7 +25,8 @@ import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_front_rank_decoder
-from deepinfer.ep.rank_group_handle import MAX_EPLB_HISTORY, GroupHandle, RankHandle
+from deepinfer.ep.ep_metrics import record_rebalance
+from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError, exit_message
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
@@ -308,15 +309,7 @@ class DataParallelClient:
             if isinstance(message, EngineOutputs):
                 self._dispatch(handle, message)
             elif isinstance(message, EPLBStats):
-                group.eplb = message
-                group.eplb_history = group.eplb_history[-MAX_EPLB_HISTORY + 1:] + [message]
-                group.num_rebalances += 1
-                group.moved_bytes += message.moved_bytes
-                logger.info("group %d EPLB at step %d: balancedness %.3f -> %.3f (mean of %d "
-                            "layers), %d slots changed, %d bytes moved, %.1f ms", group.index,
-                            message.step, _mean(message.balancedness_before),
-                            _mean(message.balancedness_after), len(message.balancedness_after),
-                            message.num_moved_slots, message.moved_bytes, message.duration_s * 1e3)
+                record_rebalance(group, message)
             elif isinstance(message, EngineDead):
                 last = (message.message.strip().splitlines() or ["?"])[-1]
                 await self._on_group_lost(group, incarnation, f"rank {handle.rank} failed: {last}")
@@ -363,10 +356,6 @@ class DataParallelClient:
         for task in others:
             task.cancel()
         group.lost.set()
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 1.0
 
 
 def _root_cause(group: GroupHandle) -> str | None:

@@ -8,8 +8,11 @@
 
 Everything else is `DisaggClient`'s. What differs is faults: a rank cannot step without its
 peers, so a rank lost or unresponsive takes its whole group out of routing at once (the peers
-are killed, not left waiting on collective timeouts; their requests are released like a lost
-worker's), and a group is restarted as a whole, all ranks together on a fresh rendezvous port.
+are killed, not left waiting on collective timeouts), and a group is restarted as a whole, all
+ranks together on a fresh rendezvous port. A request the lost group had streamed nothing for
+whose KV is still staged on its prefill worker goes to a rank of another group (which pulls
+that KV); the others fail with a clear error naming the group and the rank that died.
+Rank 0 of each group reports every rebalance (`WorkerEPLBStats`): the EPLB metrics on /metrics.
 """
 from __future__ import annotations
 
@@ -18,12 +21,17 @@ import dataclasses
 import logging
 import time
 
+import msgspec
+
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.cluster.messages import PrefillDone, WorkerMessage
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_supervisor import WorkerState
 from deepinfer.ep.decode_rank import EPRankSpec
 from deepinfer.ep.ep_config import EPConfig
+from deepinfer.ep.ep_metrics import DecodeGroupEPLBCollector, GroupEPLB, record_rebalance
+from deepinfer.ep.messages import WorkerEPLBStats
 from deepinfer.ep.process_group import free_port
 
 logger = logging.getLogger(__name__)
@@ -41,10 +49,31 @@ class EPDisaggClient(DisaggClient):
         super().__init__(engine_config, dataclasses.replace(cluster, num_decode_workers=ranks),
                          launcher=launcher)
         self._group_ports: dict[int, int] = {}
+        self._decoder = msgspec.msgpack.Decoder(WorkerMessage | WorkerEPLBStats)
+        self.decode_group_eplb = [GroupEPLB(g) for g in range(self.num_decode_groups)]
+        self.redundant_expert_bytes = 0
+        # request id -> (its PrefillDone, tokens streamed when it went to decode): enough to
+        # send it to another group while its KV is still staged on the prefill worker.
+        self._decode_sent: dict[str, tuple[PrefillDone, int]] = {}
 
     async def start(self) -> None:
+        from deepinfer.runtime.model_source import resolve_model
+        self.redundant_expert_bytes = self.decode_ep.redundant_expert_bytes(
+            resolve_model(self.engine_config.model).config, self.engine_config.dtype)
         self._group_ports = {g: free_port() for g in range(self.num_decode_groups)}
         await super().start()
+
+    def register_metrics(self, registry) -> None:
+        super().register_metrics(registry)
+        registry.register(DecodeGroupEPLBCollector(self))
+
+    def _on_other_message(self, message) -> None:
+        if not isinstance(message, WorkerEPLBStats):
+            return
+        handle = self.workers.get(message.worker_id)
+        if handle is not None and handle.spec.ep_rank is not None:
+            record_rebalance(self.decode_group_eplb[handle.spec.ep_rank.group_index],
+                             message.stats)
 
     def _make_handle(self, role: str, index: int) -> WorkerHandle:
         handle = super()._make_handle(role, index)
@@ -77,6 +106,9 @@ class EPDisaggClient(DisaggClient):
         if root is not None:  # e.g. a peer's collective failed because this rank was killed
             handle, worker_id = root, root.worker_id
             reason = f"process exited ({root.proc.exitcode})"
+        if handle.alive or handle.suspended_since is not None:
+            for peer in self.group_members(handle):  # no request moves to a doomed peer
+                self.decode_router.remove_worker(peer.worker_id)
         await super()._on_worker_dead(worker_id, reason)
         for peer in self.group_members(handle):
             if peer.alive or peer.suspended_since is not None:
@@ -98,6 +130,39 @@ class EPDisaggClient(DisaggClient):
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(0.02)
+
+    async def _send_decode(self, track, done: PrefillDone) -> None:
+        self._decode_sent[track.request_id] = (done, track.num_tokens_streamed)
+        await super()._send_decode(track, done)
+
+    def _forget_placement(self, track) -> None:
+        self._decode_sent.pop(track.request_id, None)
+        super()._forget_placement(track)
+
+    async def _release_requests(self, handle: WorkerHandle, reason: str) -> None:
+        """A lost rank's requests: those it streamed nothing for and whose KV is still staged
+        on the prefill worker go to a rank of another healthy group, once; the rest fail with
+        a clear error (`DisaggClient._release_requests`)."""
+        if handle.spec.ep_rank is not None and self._other_group_routable(handle):
+            for request_id in sorted(handle.request_ids):
+                track = self._requests.get(request_id)
+                sent = self._decode_sent.get(request_id)
+                if track is None or track.failed or sent is None or track.phase != "decode" \
+                        or track.decode_worker != handle.worker_id or not track.kv_pending \
+                        or track.num_tokens_streamed != sent[1] or track.num_retries:
+                    continue
+                handle.request_ids.discard(request_id)
+                self.decode_router.on_request_aborted(request_id, handle.worker_id)
+                track.num_retries += 1
+                self.num_retried += 1
+                track.last_progress = time.monotonic()
+                logger.warning("%s: decode retried on another group (%s)", request_id, reason)
+                await self._send_decode(track, sent[0])  # fails it clearly if none can take it
+        await super()._release_requests(handle, reason)
+
+    def _other_group_routable(self, handle: WorkerHandle) -> bool:
+        group = {m.worker_id for m in self.group_members(handle)}
+        return any(load.worker_id not in group for load in self._loads("decode"))
 
     async def _suspend_worker(self, worker_id: str, reason: str) -> None:
         """An unresponsive rank stalls its peers' collectives: the group is lost, not paused."""

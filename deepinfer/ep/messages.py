@@ -31,6 +31,26 @@ class EPLBStats(msgspec.Struct, tag=True):
     expert_cpu_ms_max: float = 0.0  # per step since the previous rebalance: busiest rank
     expert_cpu_ms_mean: float = 0.0  # ... and the mean rank (CPU devices)
 
+    @classmethod
+    def of(cls, report, runtime) -> "EPLBStats":
+        """From a rebalance report of `runtime` (`moe.expert_parallel.ExpertParallelRuntime`)."""
+        return cls(step=report.step, balancedness_before=report.balancedness_before,
+                   balancedness_after=report.balancedness_after,
+                   num_moved_slots=report.num_moved_slots, moved_bytes=report.moved_bytes,
+                   duration_s=report.duration_s,
+                   redundant_expert_bytes=runtime.redundant_expert_bytes(),
+                   num_rebalances=len(runtime.reports),
+                   expert_cpu_ms_max=report.expert_cpu_ms_max,
+                   expert_cpu_ms_mean=report.expert_cpu_ms_mean)
+
+
+class WorkerEPLBStats(msgspec.Struct, tag=True):
+    """Rank 0 of an expert-parallel decode group to the disaggregated front, after each
+    rebalance (on the worker protocol, next to its WorkerReports)."""
+
+    worker_id: str
+    stats: EPLBStats
+
 
 RankControl = WakeUp | ForceRebalance
 

@@ -23,9 +23,6 @@ from deepinfer.server.engine_client import EngineDeadError, exit_message
 from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
 
 
-MAX_EPLB_HISTORY = 256
-
-
 @dataclass
 class RankHandle:
     group: int
@@ -55,7 +52,7 @@ class GroupHandle:
     incarnation: int = 0
     healthy_since: float = 0.0
     eplb: EPLBStats | None = None  # the last rebalance
-    eplb_history: list[EPLBStats] = field(default_factory=list)  # the last MAX_EPLB_HISTORY
+    eplb_history: list[EPLBStats] = field(default_factory=list)  # bounded: ep_metrics
     num_rebalances: int = 0  # over every incarnation
     moved_bytes: int = 0
     lost: asyncio.Event = field(default_factory=asyncio.Event)

@@ -80,14 +80,8 @@ class RankLoop(EngineLoop):
     def _report(self, report) -> None:
         if report is None or self.rank_group.rank != 0:
             return
-        self.output_socket.send(self.encoder.encode(EPLBStats(
-            step=report.step, balancedness_before=report.balancedness_before,
-            balancedness_after=report.balancedness_after,
-            num_moved_slots=report.num_moved_slots, moved_bytes=report.moved_bytes,
-            duration_s=report.duration_s,
-            redundant_expert_bytes=self.runtime.redundant_expert_bytes(),
-            num_rebalances=len(self.runtime.reports), expert_cpu_ms_max=report.expert_cpu_ms_max,
-            expert_cpu_ms_mean=report.expert_cpu_ms_mean)), copy=False)
+        self.output_socket.send(self.encoder.encode(EPLBStats.of(report, self.runtime)),
+                                copy=False)
 
     def _on_message(self, message) -> bool:
         if isinstance(message, WakeUp):
