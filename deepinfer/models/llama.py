@@ -108,9 +108,15 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # The whole stack in one C call for decode-only steps of a few rows; set by
+        # runtime.cpu_decode_stack on bf16 CPU dense models.
+        self.decode_stack = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
                 input_embeds: Tensor | None = None) -> Tensor:
+        stack = self.decode_stack
+        if stack is not None and input_embeds is None and stack.applies(input_ids, attn):
+            return stack(input_ids, positions, attn)
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions)  # [T, 1, d/2] each, shared by all layers
         for layer in self.layers:

@@ -131,12 +131,17 @@ def _module_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 def install_elementwise_kernels(model: nn.Module) -> int:
-    """Give the bf16 CPU norms, MLPs and Llama attentions of `model` the fused kernels;
-    returns how many modules got them."""
+    """Give the bf16 CPU norms, MLPs and Llama attentions of `model` the fused kernels, and a
+    dense Llama model the fused decode stack (runtime.cpu_decode_stack); returns how many
+    modules got element-wise kernels."""
     from deepinfer.layers.mlp import SwiGLUMLP
     from deepinfer.layers.norm import RMSNorm
     from deepinfer.models.llama import LlamaAttention
 
+    from deepinfer.runtime.cpu_decode_stack import install_decode_stack
+
+    # The whole-stack decode kernel of a dense Llama model (not counted: not a module kernel).
+    install_decode_stack(model)
     targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLUMLP, LlamaAttention))
                and _module_dtype(m) == torch.bfloat16]
     if not targets:

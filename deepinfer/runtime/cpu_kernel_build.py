@@ -1,7 +1,8 @@
 """Builds the small C kernels in runtime/kernels/ with the host compiler, loads them, and
 checks them against torch before anyone uses them.
 
-Each source is compiled once per (source, compiler version, flags, CPU) into
+Each source is one translation unit (it may include the kernels/*.h headers) and is
+compiled once per (source and headers, compiler version, flags, CPU) into
 ~/.cache/deepinfer/kernels (atomic rename, so concurrent processes never load half a file)
 and loaded with ctypes. The CPU's identity is in the file name because the build uses
 -march=native: a library built on another CPU (a shared home directory, a copied cache)
@@ -77,8 +78,11 @@ def compiler_identity(compiler: str) -> str:
 
 def _build(source_path: Path, compiler: str) -> Path:
     source = source_path.read_bytes()
+    # Every header beside the source is part of the key: an edited header rebuilds.
+    headers = [h.name.encode() + b"\0" + h.read_bytes()
+               for h in sorted(source_path.parent.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([
-        source, " ".join([*_COMPILE_FLAGS, *_LINK_FLAGS]).encode(),
+        source, *headers, " ".join([*_COMPILE_FLAGS, *_LINK_FLAGS]).encode(),
         compiler_identity(compiler).encode(), os.uname().machine.encode(),
         cpu_identity().encode()]))
     target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"

@@ -38,9 +38,9 @@ def kernel_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_DECODE_KERNEL", "1")
 
     def break_source(name: str, old: str, new: str) -> None:
-        path = sources / f"{name}.c"
+        path = sources / (name if name.endswith(".h") else f"{name}.c")  # a kernel or a header
         text = path.read_text()
-        assert old in text, f"{old!r} is no longer in {name}.c: update this test's fault"
+        assert old in text, f"{old!r} is no longer in {path.name}: update this test's fault"
         path.write_text(text.replace(old, new))
 
     return break_source
@@ -125,9 +125,9 @@ def test_correct_elementwise_kernels_pass_their_self_test(kernel_sources, caplog
 def test_wrong_elementwise_kernels_fall_back_and_outputs_stay_torch(kernel_sources, caplog):
     # RMSNorm drops the last element of odd rows from its sum; SiLU-and-mul leaves the
     # vector tail (widths not a multiple of 16) unwritten.
-    kernel_sources("fused_elementwise", "for (int i = 0; i < H; i++) {\n            const float v",
-                   "for (int i = 0; i < (H & ~1); i++) {\n            const float v")
-    kernel_sources("fused_elementwise", "for (int i = 0; i < n; i++) dst[i] = f32_to_bf16",
+    kernel_sources("elementwise_bf16.h", "for (int i = 0; i < H; i++) {\n        const float v",
+                   "for (int i = 0; i < (H & ~1); i++) {\n        const float v")
+    kernel_sources("elementwise_bf16.h", "for (int i = 0; i < n; i++) dst[i] = f32_to_bf16",
                    "for (int i = 0; i < (n & ~15); i++) dst[i] = f32_to_bf16")
     model, reference = _norm_and_mlp(), _norm_and_mlp()
     assert install_elementwise_kernels(model) == 0
@@ -140,7 +140,7 @@ def test_wrong_elementwise_kernels_fall_back_and_outputs_stay_torch(kernel_sourc
 
 
 def test_one_wrong_elementwise_op_leaves_the_other_installed(kernel_sources, caplog):
-    kernel_sources("fused_elementwise", "for (int i = 0; i < n; i++) dst[i] = f32_to_bf16",
+    kernel_sources("elementwise_bf16.h", "for (int i = 0; i < n; i++) dst[i] = f32_to_bf16",
                    "for (int i = 0; i < (n & ~15); i++) dst[i] = f32_to_bf16")
     model = _norm_and_mlp()
     assert install_elementwise_kernels(model) == 1

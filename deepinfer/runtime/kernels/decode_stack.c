@@ -1,0 +1,146 @@
+/* The whole Llama decoder stack for a decode-only batch of a few rows (1..8), in one call:
+ * Python and torch's per-op dispatch (~12 ops x 30 layers per step) are entered once per step
+ * instead of once per op. Per layer:
+ *
+ *   RMSNorm -> QKV GEMV (+bias) -> RoPE on q|k -> K/V into the paged cache at the rows' slots
+ *   -> paged decode attention (GQA) -> o_proj GEMV (+bias) + residual -> RMSNorm
+ *   -> gate_up GEMV -> SiLU * up -> down GEMV + residual;   then the final RMSNorm.
+ *
+ * Every step is the same code as the per-op kernels (gemv_bf16.h, elementwise_bf16.h,
+ * decode_attention_bf16.h) with the same roundings where torch rounds to bf16, so the result
+ * is bit-equal to the per-op path whenever that path runs these kernels too.
+ *
+ * One OpenMP parallel region for the whole stack (torch's pool: this library links the same
+ * libgomp, see cpu_decode_kernel.py): the threads split each GEMV's output rows into contiguous
+ * ranges (one weight stream each) and meet at a barrier between dependent steps.
+ *
+ * Rows are independent queries: each has its own position, slot, block-table row and context
+ * length (the new token included), so spec-decode verification rows of one sequence (context
+ * lengths p+1, p+2, ...) work too; all K/V of a layer is written before any row attends. */
+#include <stdlib.h>
+#include <omp.h>
+#include "gemv_bf16.h"
+#include "elementwise_bf16.h"
+#include "decode_attention_bf16.h"
+
+/* Per layer, in `layer_ptrs` [L, P_COUNT]: data pointers (0 = no bias). */
+enum { P_LN1, P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_LN2, P_GU_W, P_DOWN_W, P_COUNT };
+/* `dims`: layers, hidden, query heads, KV heads, head dim, intermediate size. */
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_COUNT };
+
+#define STACK_MAX_ROWS GEMV_MAX_M
+
+/* 1 when this build can run a model with these head shapes (else the caller keeps torch). */
+int decode_stack_supported(int group, int head_dim) {
+#ifdef HAVE_AVX512
+    return group >= 1 && group <= DECODE_MAX_G && head_dim % 16 == 0 && head_dim <= DECODE_MAX_D;
+#else
+    (void)group; (void)head_dim;
+    return 0;
+#endif
+}
+
+static inline int part(int n, int i, int parts) { return (int)((int64_t)n * i / parts); }
+
+/* Returns 0; 1 for shapes out of range; 2 when scratch memory could not be allocated.
+ *   ids, pos, slots, lens [R] int64; tables [R, W] int64 block ids
+ *   embed [vocab, hidden]; cos_sin [max_pos, D] (cos | sin halves per position)
+ *   kv [L, 2, num_blocks, BS, KV, D]; out [R, hidden]
+ *   scale: the attention scale, as the per-op kernel gets it (head_dim ** -0.5 from Python) */
+int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps, float scale,
+                      const uint16_t *embed, const uint16_t *final_norm, const uint16_t *cos_sin,
+                      const int64_t *ids, const int64_t *pos, const int64_t *slots,
+                      const int64_t *tables, const int64_t *lens, int R, int W, uint16_t *kv,
+                      int64_t num_blocks, int BS, uint16_t *out, int num_threads) {
+#ifndef HAVE_AVX512
+    return 1;
+#else
+    const int L = dims[D_LAYERS], H = dims[D_HIDDEN], NH = dims[D_HEADS];
+    const int KV = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
+    if (R < 1 || R > STACK_MAX_ROWS || KV < 1 || NH % KV != 0
+        || !decode_stack_supported(NH / KV, D))
+        return 1;
+    const int G = NH / KV, Q = NH * D, NQKV = Q + 2 * KV * D;
+    int64_t max_len = 1;
+    for (int r = 0; r < R; r++) if (lens[r] > max_len) max_len = lens[r];
+    /* activations, all [R, width] bf16 */
+    const size_t widths = (size_t)2 * H + NQKV + Q + 3 * (size_t)I;
+    uint16_t *scratch = (uint16_t *)malloc(sizeof(uint16_t) * widths * (size_t)R);
+    if (!scratch) return 2;
+    uint16_t *hid = scratch, *xn = hid + (size_t)R * H, *qkv = xn + (size_t)R * H;
+    uint16_t *att = qkv + (size_t)R * NQKV, *gu = att + (size_t)R * Q, *act = gu + (size_t)R * 2 * I;
+    const int64_t cache_half = num_blocks * BS * KV * D; /* one layer's K (or V) */
+    const int units = (I + CHUNK - 1) / CHUNK;            /* gate_up work units, CHUNK wide */
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_len);
+        if (!scores) {
+            _Pragma("omp atomic write")
+            failed = 2;
+        }
+        for (int r = tid; r < R; r += nth)
+            memcpy(hid + (size_t)r * H, embed + ids[r] * H, sizeof(uint16_t) * (size_t)H);
+        _Pragma("omp barrier")
+        for (int l = 0; l < L; l++) {
+            const int64_t *p = layer_ptrs + (int64_t)l * P_COUNT;
+            const uint16_t *qkv_b = (const uint16_t *)p[P_QKV_B], *o_b = (const uint16_t *)p[P_O_B];
+            uint16_t *kc = kv + (int64_t)l * 2 * cache_half, *vc = kc + cache_half;
+            for (int r = tid; r < R; r += nth)
+                rms_norm_row(hid + (size_t)r * H, (const uint16_t *)p[P_LN1], xn + (size_t)r * H, H, eps);
+            _Pragma("omp barrier")
+            gemv_rows_bf16(xn, (const uint16_t *)p[P_QKV_W], qkv_b, NULL, qkv, R, H, NQKV,
+                           part(NQKV, tid, nth), part(NQKV, tid + 1, nth));
+            _Pragma("omp barrier")
+            for (int r = tid; r < R; r += nth) { /* RoPE on q|k in place, then K/V to the cache */
+                uint16_t *row = qkv + (size_t)r * NQKV;
+                const uint16_t *cs = cos_sin + pos[r] * D;
+                rotary_row(row, cs, cs + D / 2, row, NH + KV, D);
+                memcpy(kc + slots[r] * KV * D, row + Q, sizeof(uint16_t) * (size_t)KV * D);
+                memcpy(vc + slots[r] * KV * D, row + Q + KV * D, sizeof(uint16_t) * (size_t)KV * D);
+            }
+            _Pragma("omp barrier")
+            if (scores)
+                for (int task = tid; task < R * KV; task += nth) {
+                    const int r = task / KV, h = task % KV;
+                    decode_task_bf16_avx512(qkv + (size_t)r * NQKV + (size_t)h * G * D, kc, vc,
+                                            tables + (int64_t)r * W, lens[r],
+                                            att + (size_t)r * Q + (size_t)h * G * D, KV, G, D,
+                                            BS, h, scale, scores, max_len);
+                }
+            _Pragma("omp barrier")
+            gemv_rows_bf16(att, (const uint16_t *)p[P_O_W], o_b, hid, hid, R, Q, H,
+                           part(H, tid, nth), part(H, tid + 1, nth));
+            _Pragma("omp barrier")
+            for (int r = tid; r < R; r += nth)
+                rms_norm_row(hid + (size_t)r * H, (const uint16_t *)p[P_LN2], xn + (size_t)r * H, H, eps);
+            _Pragma("omp barrier")
+            { /* gate and up rows of the same columns, then SiLU * up over them: no barrier */
+                const int c0 = part(units, tid, nth) * CHUNK;
+                const int c1 = part(units, tid + 1, nth) * CHUNK < I ? part(units, tid + 1, nth) * CHUNK : I;
+                const uint16_t *gu_w = (const uint16_t *)p[P_GU_W];
+                if (c0 < c1) {
+                    gemv_rows_bf16(xn, gu_w, NULL, NULL, gu, R, H, 2 * (int64_t)I, c0, c1);
+                    gemv_rows_bf16(xn, gu_w, NULL, NULL, gu, R, H, 2 * (int64_t)I, I + c0, I + c1);
+                    for (int r = 0; r < R; r++)
+                        for (int c = c0; c < c1; c += CHUNK) {
+                            const uint16_t *g = gu + (size_t)r * 2 * I + c;
+                            silu_mul_chunk(g, g + I, act + (size_t)r * I + c,
+                                           I - c < CHUNK ? I - c : CHUNK);
+                        }
+                }
+            }
+            _Pragma("omp barrier")
+            gemv_rows_bf16(act, (const uint16_t *)p[P_DOWN_W], NULL, hid, hid, R, I, H,
+                           part(H, tid, nth), part(H, tid + 1, nth));
+            _Pragma("omp barrier")
+        }
+        for (int r = tid; r < R; r += nth)
+            rms_norm_row(hid + (size_t)r * H, final_norm, out + (size_t)r * H, H, eps);
+        free(scores);
+    }
+    free(scratch);
+    return failed;
+#endif
+}
