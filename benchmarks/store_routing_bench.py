@@ -119,7 +119,7 @@ class StoreRoutingSimulator(ClusterSimulator):
         plan = self.prefill_router.take_prefix_plan(record.request_id)
         if plan is not None:
             self._plans[record.request_id] = plan
-            self.num_awaited += 1
+            self.num_awaited += plan.await_worker is not None  # a prefix in flight elsewhere
         record.prefill_worker = worker.worker_id
         self._deliver(worker, record)
 

@@ -30,8 +30,10 @@ from deepinfer.routing.worker_load import WorkerLoad
 class PrefixPlan:
     """Where a request goes and what it reuses there. `finish_s`: predicted seconds from now
     until its prefill is done; `own_cost_s`: its own compute and loads. `num_await_blocks`:
-    leading blocks another worker is computing now, which this one waits for in the shared
-    store until `await_until` (router clock) instead of computing them (0: no wait)."""
+    leading blocks this worker waits for in the shared store until `await_until` (router
+    clock) instead of computing them (0: no wait): blocks `await_worker` is computing now,
+    or (`await_worker` None) blocks just published, whose store write may not have landed
+    when the request arrives."""
 
     worker_id: str
     finish_s: float
@@ -40,6 +42,7 @@ class PrefixPlan:
     num_load_blocks: int = 0
     num_await_blocks: int = 0
     await_until: float | None = None
+    await_worker: str | None = None
 
 
 class PrefillRouter(Router):
@@ -83,7 +86,10 @@ class LeastComputePrefillRouter(PrefillRouter):
     worker's measured store rate `WorkerLoad.store_load_s_per_token` when reported); and a
     prefix being computed on another worker right now can be *awaited*: start once it is
     published (its eta) and load it, instead of computing it a second time. The chosen option
-    is kept as a `PrefixPlan` for the front (`take_prefix_plan`). Counting the own cost twice
+    is kept as a `PrefixPlan` for the front (`take_prefix_plan`). A plan that loads stored
+    blocks also asks the worker to wait a little for them (at most what recomputing them
+    costs, and `await_slack_s`): the router marks a prefix stored when its prefill is done,
+    and the last chunk's store write may still be landing. Counting the own cost twice
     is what keeps an idle worker from recomputing a prefix that another finishes about as
     soon. Ties go to less own compute, then to the worker holding fewer requests, then to the
     one routed to least recently (idle workers share the work instead of the first taking it).
@@ -172,8 +178,14 @@ class LeastComputePrefillRouter(PrefillRouter):
         stored = max(min(match.num_stored_blocks, usable),
                      min(request.num_cached_tokens // bs, usable))
         plan = self._plan_load(request, ld, local, max(0, stored - local))
+        num_wait, wait_until = 0, None
+        if plan.num_load_blocks:
+            num_wait = local + plan.num_load_blocks
+            recompute_s = self._plan_load(request, ld, local, 0).total_s - plan.compute_s
+            wait_until = now + min(self.await_slack_s, max(0.0, recompute_s))
         options = [PrefixPlan(ld.worker_id, queue_s + plan.total_s, plan.total_s,
-                              num_local_blocks=local, num_load_blocks=plan.num_load_blocks)]
+                              num_local_blocks=local, num_load_blocks=plan.num_load_blocks,
+                              num_await_blocks=num_wait, await_until=wait_until)]
         for flight in match.in_flight:
             n = min(flight.num_blocks, usable)
             if flight.worker_id == ld.worker_id or n <= max(local, stored):
@@ -184,7 +196,8 @@ class LeastComputePrefillRouter(PrefillRouter):
                                       num_local_blocks=local,
                                       num_load_blocks=plan.num_load_blocks,
                                       num_await_blocks=n,
-                                      await_until=flight.eta + self.await_slack_s))
+                                      await_until=flight.eta + self.await_slack_s,
+                                      await_worker=flight.worker_id))
         return options
 
     def _plan_load(self, request: RoutingRequest, ld: WorkerLoad, num_local: int,
@@ -206,14 +219,15 @@ class LeastComputePrefillRouter(PrefillRouter):
         self._choice = None
         self._last_routed[worker_id] = sum(self.num_routed.values())
         if plan.num_await_blocks:
-            self.num_awaited += 1
+            self.num_awaited += plan.await_worker is not None
             self._plans[request.request_id] = plan
         if self.locator is not None and request.block_hashes:
             self.locator.on_routed(request.request_id, worker_id, request.block_hashes,
-                                   now + plan.finish_s)
+                                   now + plan.finish_s, plan.num_await_blocks)
 
     def take_prefix_plan(self, request_id: str) -> PrefixPlan | None:
-        """The routed request's plan when it should await a prefix computed elsewhere."""
+        """The routed request's plan when it should await blocks in the store (a prefix
+        computed elsewhere, or one just published)."""
         return self._plans.pop(request_id, None)
 
     def on_prefill_done(self, request_id: str) -> None:

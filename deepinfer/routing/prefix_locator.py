@@ -3,6 +3,7 @@
 Built only from the router's own decisions and completions, never from the store:
 
     on_routed(request, worker, eta)   its blocks are *in flight* on that worker until eta
+                                      (except a head it awaits: another worker computes it)
     on_prefilled(request)             computed: published to the shared store, and in that
                                       worker's device cache
     on_aborted(request)               in flight no more; nothing was published
@@ -63,11 +64,15 @@ class PrefixLocator:
         return len(self._blocks)
 
     def on_routed(self, request_id: str, worker_id: str, block_hashes: Sequence[bytes],
-                  eta: float) -> None:
+                  eta: float, num_await_blocks: int = 0) -> None:
+        """`num_await_blocks`: leading blocks the request waits for in the store while
+        another worker computes them. They are not in flight on `worker_id`: a request
+        queued behind it there would find them only after the wait, not for free (it
+        would be admitted first and compute them a second time)."""
         self.on_aborted(request_id)  # a retry replaces the earlier placement
         hashes = tuple(block_hashes)
         self._requests[request_id] = (worker_id, hashes)
-        for block_hash in hashes:
+        for block_hash in hashes[num_await_blocks:]:
             self._block(block_hash).in_flight[request_id] = (worker_id, eta)
         self._trim()
 

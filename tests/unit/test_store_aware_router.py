@@ -148,3 +148,57 @@ def test_prefix_tracking_can_be_turned_off():
     loads = [load("p0"), load("p1")]
     assert [router.route(request(f"r{i}", i), loads, 0.0) for i in range(4)] == \
         ["p0", "p1", "p0", "p1"]
+
+
+def test_locator_does_not_count_an_awaited_head_as_in_flight_on_the_awaiting_worker():
+    loc = PrefixLocator()
+    a, b = request("a", 1).block_hashes, request("b", 2).block_hashes
+    loc.on_routed("a", "p0", a, eta=1.0)
+    loc.on_routed("b", "p1", b, eta=1.5, num_await_blocks=32)  # waits for p0's 32 blocks
+    m = loc.match(request("c", 3).block_hashes)
+    # p1 computes none of the system prompt: a request queued there would not find it.
+    assert m.num_local_blocks("p1") == 0 and m.num_local_blocks("p0") == 32
+    assert [(f.worker_id, f.num_blocks) for f in m.in_flight] == [("p0", 32)]
+    loc.on_prefilled("b")  # loaded: now on p1's device too
+    assert loc.match(request("c", 3).block_hashes).num_local_blocks("p1") == 32
+
+
+def test_request_behind_an_awaiting_one_awaits_too_instead_of_recomputing():
+    # p0 computes the system prompt for a; b waits for it on p1. c must not be sent to p1
+    # as if p1 held the prefix for free: p1 would admit c first (b is held for its read)
+    # and compute the prefix a second time.
+    router = build_prefill_router("least-compute")
+    loads = [load("p0"), load("p1")]
+    assert router.route(request("a", 1), loads, 0.0) == "p0"
+    assert router.route(request("b", 2), loads, 0.0) == "p1"
+    assert router.take_prefix_plan("b").await_worker == "p0"
+    worker = router.route(request("c", 3), loads, 0.0)
+    plan = router.take_prefix_plan("c")
+    if worker == "p1":
+        assert plan is not None and plan.num_await_blocks == 32 and plan.await_worker == "p0"
+    else:
+        assert plan is None  # queued behind a on p0, which computes the prefix
+    assert router.num_awaited == 1 + (worker == "p1")
+
+
+def test_a_planned_store_load_waits_briefly_for_a_just_published_prefix():
+    # The router marks a prefix stored when its prefill is done; the store write of its
+    # last chunk may still be landing when the next request reaches another worker. The
+    # plan asks that worker to wait for the blocks, at most what recomputing them costs.
+    router = build_prefill_router("least-compute", await_slack_s=1.0)
+    loads = [load("p0"), load("p1")]
+    router.route(request("a", 1), loads, 0.0)
+    router.on_prefill_done("a")
+    busy = [WorkerLoad("p0", "prefill", 0.1, predicted_queue_time_s=1.0), load("p1", 0.1)]
+    assert router.route(request("b", 2), busy, 0.1) == "p1"
+    plan = router.take_prefix_plan("b")
+    assert plan is not None and plan.await_worker is None
+    assert plan.num_load_blocks == 32 and plan.num_await_blocks == 32
+    recompute_s = COST(560, 0) - COST(560 - 512, 512)
+    assert 0.1 < plan.await_until <= 0.1 + recompute_s + 1e-9
+    assert router.num_awaited == 0  # a metric of prefixes awaited while in flight only
+    # A store too slow to load from: recomputed, nothing to wait for.
+    slow = [WorkerLoad("p0", "prefill", 0.2, predicted_queue_time_s=1.0,
+                       store_load_s_per_token=1.0), load("p1", 0.2, store_rate=1.0)]
+    router.route(request("c", 3), slow, 0.2)
+    assert router.take_prefix_plan("c") is None
