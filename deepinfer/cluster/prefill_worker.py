@@ -200,7 +200,7 @@ class PrefillWorkerLoop(WorkerLoop):
         hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
         loaded = hashes[load.num_device_blocks:load.num_device_blocks + load.num_store_blocks]
         num_host = sum(1 for h in loaded if tiers.get(h) == HOST_TIER)
-        if job.num_await_blocks:
+        if job.num_await_blocks and job.waited_s > 0:  # not when they were there already
             self.counters.store_await_tokens += min(len(payloads), job.num_await_blocks) * bs
         return load.num_store_blocks * bs, num_host * bs
 
