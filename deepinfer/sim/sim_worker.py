@@ -64,6 +64,13 @@ class SimWorker:
     output: SchedulerOutput | None = None
     step_time_s: float = 0.0
     stall_s: float = 0.0  # blocking work before the next step (store loads)
+    # Host sharing (processor sharing of the step in flight): work left at full speed, the
+    # speed since `speed_since_s`, and a version that invalidates superseded finish events.
+    step_started_s: float = 0.0
+    work_left_s: float = 0.0
+    speed: float = 1.0
+    speed_since_s: float = 0.0
+    step_version: int = 0
     busy_time_s: float = 0.0
     num_steps: int = 0
     peak_kv_usage: float = 0.0

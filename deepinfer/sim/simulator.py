@@ -13,9 +13,12 @@ decode worker allocates (FIFO while full) → KV transfer (latency + bytes / ban
 time per destination) → running decode until `output_len` tokens. Colocated: arrival →
 router (when there are several instances) → one scheduler does everything.
 
-Host contention: with `host_cores`, a step that starts while workers using more threads than
-cores are busy is stretched by busy threads / cores (the CPU validation runs four workers on
-two cores). Time is simulated; nothing reads the clock.
+Host contention: with `host_cores`, busy workers share the cores (processor sharing): while
+the busy workers' threads exceed the cores, each step advances at cores / busy threads of its
+full speed, re-evaluated whenever a worker starts or finishes a step (the CPU validation runs
+four single-thread workers on two cores). A step's work is its step-time model's answer
+(model time + the engine loop's host work) plus blocking store loads. Time is simulated;
+nothing reads the clock.
 """
 from __future__ import annotations
 
@@ -171,26 +174,52 @@ class ClusterSimulator:
             worker.busy = False
             return
         chunks = [ChunkShape(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
-        step_s = worker.step_model.step_time_s(chunks) * self._contention(worker) + worker.stall_s
+        work_s = worker.step_model.step_time_s(chunks) + worker.stall_s
         worker.stall_s = 0.0
-        worker.busy, worker.output, worker.step_time_s = True, output, step_s
+        worker.busy, worker.output = True, output
+        worker.step_started_s, worker.work_left_s = self.now, work_s
         worker.peak_kv_usage = max(worker.peak_kv_usage, worker.scheduler.kv.usage)
-        self._at(self.now + step_s, self._finish_step, worker)
+        self._reshare(worker)
 
-    def _contention(self, worker: SimWorker) -> float:
+    def _speed(self) -> float:
+        """Fraction of full speed each busy worker gets while they share the host's cores."""
         cores = self.cluster.host_cores
         if cores is None:
             return 1.0
-        threads = sum(w.engine.threads for w in self.workers.values() if w.busy or w is worker)
-        return max(1.0, threads / cores)
+        threads = sum(w.engine.threads for w in self.workers.values() if w.busy)
+        return min(1.0, cores / threads) if threads else 1.0
 
-    def _finish_step(self, worker: SimWorker) -> None:
+    def _reshare(self, changed: SimWorker) -> None:
+        """A worker started or finished a step: bring every busy worker's remaining work up to
+        now at the old speed, then (re)schedule its finish at the new speed."""
+        speed = self._speed()
+        sharing = self.cluster.host_cores is not None
+        for w in self.workers.values():
+            if not w.busy or (w is not changed and not sharing):
+                continue
+            if w is not changed:
+                w.work_left_s = max(0.0, w.work_left_s - (self.now - w.speed_since_s) * w.speed)
+            if w is not changed and w.speed == speed:
+                continue  # same speed: its scheduled finish still holds
+            w.speed, w.speed_since_s = speed, self.now
+            w.step_version += 1
+            self._at(self.now + w.work_left_s / speed, self._finish_step, w, w.step_version)
+        if sharing:  # progress of the others is accounted up to now
+            for w in self.workers.values():
+                if w.busy:
+                    w.speed_since_s = self.now
+
+    def _finish_step(self, worker: SimWorker, version: int) -> None:
+        if version != worker.step_version or not worker.busy:
+            return  # superseded: the worker's speed changed after this was scheduled
         output = worker.output
+        worker.step_time_s = self.now - worker.step_started_s
         sampled = {s.request_id: SAMPLED_TOKEN_ID for s in output.scheduled if s.sample}
         self._apply(worker, output, StepResult(sampled, step_time_s=worker.step_time_s))
         worker.busy_time_s += worker.step_time_s
         worker.num_steps += 1
         worker.busy, worker.output = False, None
+        self._reshare(worker)
         self._publish(worker)
         self._start_step(worker)
 

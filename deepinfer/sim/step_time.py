@@ -4,7 +4,8 @@ A step-time model answers `step_time_s(chunks)` for the batch a scheduler produc
 `kv_bytes_per_token` (for KV transfers and store loads). Two kinds:
 
   ProfileStepTime    a measured cost profile (`deepinfer profile` JSON, the engine's own
-                     `core.cost_model.CostModel`), optionally scaled
+                     `core.cost_model.CostModel`), optionally scaled, plus the engine loop's
+                     measured host work per step (`HostOverhead`) when the profile has it
   RooflineStepTime   an analytic accelerator + model description (`sim.roofline`)
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from deepinfer.core.cost_model import ChunkShape, CostModel, StepSample
@@ -24,18 +26,45 @@ class StepTimeModel(Protocol):
     def step_time_s(self, chunks: Sequence[ChunkShape]) -> float: ...
 
 
-class ProfileStepTime:
-    """A measured profile: step time = the cost model's prediction × `time_scale`."""
+@dataclass(frozen=True)
+class HostOverhead:
+    """Engine-loop time per step outside the model runner (scheduling, output processing,
+    detokenisation, encoding the step's outputs): `per_step_s + per_request_s · requests`,
+    as `deepinfer profile` measured it (profile metadata `host_overhead`)."""
 
-    def __init__(self, cost_model: CostModel, time_scale: float = 1.0) -> None:
+    per_step_s: float = 0.0
+    per_request_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.per_step_s < 0 or self.per_request_s < 0:
+            raise ValueError("host overhead must be >= 0")
+
+    @classmethod
+    def from_metadata(cls, metadata: dict) -> "HostOverhead":
+        data = metadata.get("host_overhead") or {}
+        return cls(float(data.get("per_step_s", 0.0)), float(data.get("per_request_s", 0.0)))
+
+    def seconds(self, num_requests: int) -> float:
+        return self.per_step_s + self.per_request_s * num_requests
+
+
+class ProfileStepTime:
+    """A measured profile: step time = the cost model's prediction × `time_scale` + the
+    engine loop's host work for that many requests (not scaled: it is host CPU time)."""
+
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0,
+                 host: HostOverhead | None = None) -> None:
         if not time_scale > 0:
             raise ValueError("time_scale must be positive")
         self.cost_model = cost_model
         self.time_scale = time_scale
+        self.host = host if host is not None else HostOverhead.from_metadata(cost_model.metadata)
         self.kv_bytes_per_token = cost_model.shape.kv_bytes_per_token
 
     def step_time_s(self, chunks: Sequence[ChunkShape]) -> float:
-        return self.cost_model.predict(chunks) * self.time_scale if chunks else 0.0
+        if not chunks:
+            return 0.0
+        return self.cost_model.predict(chunks) * self.time_scale + self.host.seconds(len(chunks))
 
 
 def load_cost_profile(path: str) -> CostModel:

@@ -1,0 +1,86 @@
+"""What the simulator adds to a profile's model time: the engine loop's measured host work per
+step, and processor sharing of the host's cores between busy workers. Pure and fast."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer.bench.workloads import BenchRequest
+from deepinfer.core.cost_model import ChunkShape
+from deepinfer.sim import ClusterSimulator, cluster_from_dict
+from deepinfer.sim.step_time import HostOverhead, ProfileStepTime, load_cost_profile
+
+PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+              / "cost_profile_smollm2_bf16_cpu_1thread.json")
+
+
+def _profile_with_host(tmp_path, per_step_s: float, per_request_s: float) -> str:
+    with open(PROFILE) as f:
+        data = json.load(f)
+    data["metadata"]["host_overhead"] = {"per_step_s": per_step_s,
+                                         "per_request_s": per_request_s}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_profile_step_time_adds_the_measured_host_overhead(tmp_path):
+    model = load_cost_profile(_profile_with_host(tmp_path, 0.004, 0.0005))
+    step = ProfileStepTime(model, time_scale=2.0)
+    chunks = [ChunkShape(100, 1), ChunkShape(200, 1), ChunkShape(0, 64)]
+    # Host work is CPU time of the loop: not scaled with the model's time.
+    assert step.step_time_s(chunks) == pytest.approx(2.0 * model.predict(chunks) + 0.004
+                                                     + 3 * 0.0005)
+    assert step.step_time_s([]) == 0.0
+
+
+def test_profile_without_host_overhead_is_model_time_only():
+    model = load_cost_profile(PROFILE)
+    assert "host_overhead" not in model.metadata
+    chunks = [ChunkShape(0, 128)]
+    assert ProfileStepTime(model).step_time_s(chunks) == pytest.approx(model.predict(chunks))
+
+
+def test_host_overhead_rejects_negative():
+    with pytest.raises(ValueError, match=">= 0"):
+        HostOverhead(per_step_s=-1e-3)
+
+
+def _two_workers_one_core(profile: str, cores):
+    data = {"cost": {"profile": profile}, "engine": {"num_kv_blocks": 256},
+            "pools": {"colocated": {"workers": 2}}, "routers": {"prefill": "round-robin"}}
+    if cores is not None:
+        data["host"] = {"cores": cores}
+    return ClusterSimulator(cluster_from_dict(data))
+
+
+def test_workers_sharing_a_core_advance_at_half_speed_while_both_are_busy():
+    """Request a starts alone at 0, b (on the other worker) at d < T: a runs alone until d,
+    then both at half speed. Processor sharing: both first tokens come at 2T - d after
+    their arrivals (a snapshot at step start would give a its whole step at full speed)."""
+    ids = list(range(1000, 1128))
+    step_model = _two_workers_one_core(PROFILE, 1).workers["colocated-0"].step_model
+    t = step_model.step_time_s([ChunkShape(0, len(ids))])
+    d = 0.25 * t
+    sim = _two_workers_one_core(PROFILE, 1)
+    a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, d)])
+    assert {a.prefill_worker, b.prefill_worker} == {"colocated-0", "colocated-1"}
+    assert a.token_times_s[0] - a.arrival_s == pytest.approx(2 * t - d)
+    assert b.token_times_s[0] - b.arrival_s == pytest.approx(2 * t - d)
+    # Own cores each (no host sharing): both take T.
+    sim = _two_workers_one_core(PROFILE, None)
+    a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, d)])
+    assert a.token_times_s[0] - a.arrival_s == pytest.approx(t)
+    assert b.token_times_s[0] - b.arrival_s == pytest.approx(t)
+
+
+def test_enough_cores_means_no_slowdown():
+    ids = list(range(1000, 1064))
+    sim = _two_workers_one_core(PROFILE, 2)
+    t = sim.workers["colocated-0"].step_model.step_time_s([ChunkShape(0, len(ids))])
+    a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, 0.0)])
+    assert a.token_times_s[0] == pytest.approx(t)
+    assert b.token_times_s[0] == pytest.approx(t)
+    assert sum(w.busy_time_s for w in sim.workers.values()) == pytest.approx(2 * t)
