@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-memory", default="2GiB",
                    help="KV memory the profiler's batches are spread over")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-host", dest="host", action="store_false",
+                   help="skip the host measurements (engine-loop overhead per step, KV "
+                        "transport) that the simulator adds to step times and transfers")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(func=run)
 
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer.core.model_shape import ModelShape
     from deepinfer.engine.engine_config import EngineConfig
     from deepinfer.engine.llm_engine import LLMEngine
-    from deepinfer.runtime.profiler import FULL_GRID, QUICK_GRID, grid_with, profile_cost_model
+    from deepinfer.runtime.profiler import (FULL_GRID, QUICK_GRID, grid_with,
+                                            measure_host_overhead, profile_cost_model)
 
     try:
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -65,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
                                metadata={"model": engine.model_name, "dtype": args.dtype},
                                progress=progress)
     sys.stderr.write("\n")
+    if args.host:
+        model.metadata["host_overhead"] = measure_host_overhead(
+            engine, after_step=_serving_loop_work(engine))
+        model.metadata["kv_transport"] = _measure_transport(engine)
     with open(args.out, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
     err = model.holdout_error
@@ -81,5 +89,37 @@ def run(args: argparse.Namespace) -> int:
           f"p90 {meta['fit_p90_abs_pct_error']:.1f}%")
     print(f"held-out abs error: median {err.median_abs_pct_error:.1f}%, "
           f"p90 {err.p90_abs_pct_error:.1f}%")
+    host = model.metadata.get("host_overhead")
+    if host:
+        print(f"engine loop outside the model step: {host['per_step_s'] * 1e3:.2f} ms per step "
+              f"+ {host['per_request_s'] * 1e3:.3f} ms per request")
+    link = model.metadata.get("kv_transport")
+    if link:
+        print(f"KV transport (stage copy + pull + write): {link['latency_ms']:.2f} ms + "
+              f"{link['bandwidth_gb_s']:.2f} GB/s")
     print(f"wrote {args.out}")
     return 0
+
+
+def _serving_loop_work(engine):
+    """What the serving engine loop does with a step's outputs besides `engine.step()`:
+    output deltas, a stats snapshot and the encoded message (`server.engine_proc`)."""
+    from deepinfer.server.engine_proc import OutputDeltaTracker, _stats_snapshot
+    from deepinfer.server.messages import EngineOutputs, make_encoder
+
+    tracker, encoder = OutputDeltaTracker(), make_encoder()
+
+    def after_step(outputs: list) -> None:
+        encoder.encode(EngineOutputs(outputs=[tracker.to_delta(o) for o in outputs], errors=[],
+                                     stats=_stats_snapshot(engine, 0)))
+    return after_step
+
+
+def _measure_transport(engine) -> dict | None:
+    from deepinfer.cluster.kv_transport import ZmqKVTransport
+    from deepinfer.runtime.profiler import measure_kv_transport
+    try:
+        return measure_kv_transport(engine, lambda serve: ZmqKVTransport(serve=serve))
+    except (RuntimeError, OSError) as e:  # no loopback TCP: the simulator falls back
+        print(f"KV transport not measured: {e}", file=sys.stderr)
+        return None

@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -220,3 +221,101 @@ def _sample_dict(sample: StepSample) -> dict:
 def grid_with(grid: ProfileGrid, **changes) -> ProfileGrid:
     """A copy of `grid` with some fields changed (e.g. fewer repeats for a smoke run)."""
     return dataclasses.replace(grid, **changes)
+
+
+# ---- host work around the model step ----------------------------------------------------------
+HOST_OVERHEAD_BATCH_SIZES = (1, 4, 16, 32)
+
+
+def measure_host_overhead(engine, *, batch_sizes: tuple[int, ...] = HOST_OVERHEAD_BATCH_SIZES,
+                          num_steps: int = 8, prompt_len: int = 16,
+                          after_step: Callable[[list], None] | None = None,
+                          clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Seconds a real engine loop spends per step outside the model runner: `engine.step()`'s
+    wall time minus the runner's own step time (scheduling, sampling bookkeeping,
+    detokenisation, output objects), plus `after_step(outputs)` (what the serving loop does
+    with them: output deltas, encoding). Decode steps of B requests for each B in
+    `batch_sizes`; the per-B medians are fitted as `per_step_s + per_request_s * B` (least
+    squares, clipped at 0). The engine must be idle; its requests are aborted afterwards."""
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    medians: list[tuple[int, float]] = []
+    for b in batch_sizes:
+        ids = [f"host-overhead-{b}-{i}" for i in range(b)]
+        params = SamplingParams(temperature=0.0, max_tokens=num_steps + 4, ignore_eos=True)
+        for request_id in ids:
+            engine.add_request(request_id, [rng.randrange(100, vocab) for _ in range(prompt_len)],
+                               params)
+        while any(r.num_computed_tokens < prompt_len
+                  for r in engine.scheduler.requests.values()):
+            engine.step()  # prefill, not measured
+        overheads = []
+        for _ in range(num_steps):
+            start = clock()
+            outputs = engine.step()
+            if after_step is not None:
+                after_step(outputs)
+            wall = clock() - start
+            overheads.append(max(0.0, wall - engine.get_stats().step_time_s))
+        engine.abort_request(ids)
+        medians.append((b, statistics.median(overheads)))
+    per_step, per_request = _fit_line(medians)
+    return {"per_step_s": per_step, "per_request_s": per_request,
+            "samples": [[b, s] for b, s in medians], "num_steps": num_steps}
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares a + b·x over (x, y), both clipped at 0 (an overhead is not negative)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    b = max(0.0, b)
+    return max(0.0, my - b * mx), b
+
+
+def measure_kv_transport(engine, make_transport: Callable[[bool], object], *,
+                         token_counts: tuple[int, ...] = (64, 256, 1024),
+                         num_repeats: int = 3) -> dict:
+    """The disaggregated KV path on this host, end to end as a request pays it: the prefill
+    side's staging copy (`read_blocks`), a pull over the real transport
+    (`make_transport(serve)`, e.g. `ZmqKVTransport`: loopback TCP, both endpoints in this
+    process) and the decode side's `write_blocks`. Median seconds per size, fitted as
+    `latency + bytes / bandwidth`."""
+    cache = engine.cache
+    block_size = engine.config.block_size
+    bytes_per_token = cache.spec.bytes_per_block / block_size
+    server, client = make_transport(True), make_transport(False)
+    points = []
+    try:
+        for tokens in token_counts:
+            num_blocks = min(-(-tokens // block_size), cache.num_blocks)
+            block_ids = list(range(num_blocks))
+            times = []
+            for r in range(num_repeats):
+                request_id = f"kv-transport-{tokens}-{r}"
+                start = time.perf_counter()
+                kv = cache.read_blocks(block_ids)
+                server.stage(request_id, kv, ttl_s=30.0)
+                client.fetch(request_id, server.address, timeout_s=30.0)
+                deadline = start + 30.0
+                result = None
+                while result is None and time.perf_counter() < deadline:
+                    done = client.poll()
+                    result = done[0] if done else None
+                    if result is None:
+                        time.sleep(0.0005)
+                if result is None or result.kv is None:
+                    raise RuntimeError(f"KV transport loopback failed: "
+                                       f"{result.error if result else 'timed out'}")
+                cache.write_blocks(block_ids, result.kv)
+                times.append(time.perf_counter() - start)
+            points.append((num_blocks * block_size * bytes_per_token, statistics.median(times)))
+    finally:
+        server.close()
+        client.close()
+    latency, s_per_byte = _fit_line(points)
+    return {"latency_ms": latency * 1e3,
+            "bandwidth_gb_s": (1.0 / s_per_byte / 1e9) if s_per_byte else float("inf"),
+            "samples": [[n, s] for n, s in points]}
