@@ -153,6 +153,10 @@ class ClusterSimulator:
                 record.num_store_tokens = load.num_loaded_blocks * kv.block_size
                 num_bytes = record.num_store_tokens * worker.step_model.kv_bytes_per_token
                 worker.stall_s += self.cluster.prefix_store.link.seconds(num_bytes)
+        self._add_request(worker, record)
+
+    def _add_request(self, worker: SimWorker, record: SimRequest) -> None:
+        """Queue the prompt in the worker's scheduler (after any store loads)."""
         params = SamplingParams(temperature=0.0, max_tokens=record.output_len, ignore_eos=True)
         request = Request(record.request_id, record.prompt_token_ids, params, record.arrival_s)
         request.block_hashes = list(record.block_hashes)
