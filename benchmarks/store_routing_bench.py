@@ -164,15 +164,7 @@ class StoreRoutingSimulator(ClusterSimulator):
         kv = worker.scheduler.kv
         got = kv.load_prefix_blocks(hashes, self.store.get, lambda block_id, payload: None)
         record.num_store_tokens = got.num_loaded_blocks * kv.block_size
-        from deepinfer.core.request import Request
-        from deepinfer.sampling_params import SamplingParams
-        params = SamplingParams(temperature=0.0, max_tokens=record.output_len, ignore_eos=True)
-        request = Request(record.request_id, record.prompt_token_ids, params, record.arrival_s)
-        request.block_hashes = list(record.block_hashes)
-        try:
-            worker.scheduler.add_request(request)
-        except ValueError as e:
-            record.error = str(e)
+        self._add_request(worker, record)
         if kick:
             self._publish(worker)
             if not worker.busy:
@@ -210,6 +202,47 @@ class StoreRoutingSimulator(ClusterSimulator):
 
 
 
+class PlanLog:
+    """Per request: where the router sent it and the prefix reuse it planned there (device
+    blocks + blocks to load or await; None for policies without a plan), to set against the
+    hit the worker realised. Wraps the router's `on_routed`."""
+
+    def __init__(self, router, block_size: int = 16) -> None:
+        self.planned: dict[str, tuple[str, int | None]] = {}
+        routed = router.on_routed
+
+        def on_routed(request, worker_id, now):
+            routed(request, worker_id, now)
+            plan = getattr(router, "last_plan", None)
+            reuse = None if plan is None else (plan.num_local_blocks
+                                               + plan.num_load_blocks) * block_size
+            self.planned[request.request_id] = (worker_id, reuse)
+
+        router.on_routed = on_routed
+
+    def rows(self, realised: list[tuple[str, float, int, int | None, float | None]]
+             ) -> list[dict]:
+        """`realised`: (request id, arrival s, prompt tokens, cached tokens, TTFT s)."""
+        out = []
+        for rid, arrival, prompt_len, cached, ttft in realised:
+            worker, planned = self.planned.get(rid, (None, None))
+            out.append({"id": rid, "arrival_s": round(arrival, 4), "prompt_tokens": prompt_len,
+                        "worker": worker, "planned_reuse_tokens": planned,
+                        "cached_tokens": cached, "ttft_s": ttft})
+        return out
+
+
+def plan_shortfall(requests: list[dict]) -> dict | None:
+    """Requests that reused fewer prompt tokens than their routing plan expected (None: the
+    policy makes no plans)."""
+    if all(r["planned_reuse_tokens"] is None for r in requests):
+        return None
+    short = [r for r in requests if r["planned_reuse_tokens"] is not None
+             and r["cached_tokens"] is not None and r["cached_tokens"] < r["planned_reuse_tokens"]]
+    return {"num_requests": len(short),
+            "tokens": sum(r["planned_reuse_tokens"] - r["cached_tokens"] for r in short)}
+
+
 def sim_cluster(num_prefill: int, num_decode: int, policy: str, store_gb_s: float,
                 store_latency_ms: float, store: bool = True):
     return cluster_from_dict({
@@ -237,11 +270,16 @@ def run_sim(label: str, requests: list[BenchRequest], args) -> dict:
                           args.store_latency_ms, store="no store" not in label)
     sim = StoreRoutingSimulator(cluster, new_store_path=new)
     sim.prefill_router = build_prefill_router(router, **options)
+    log = PlanLog(sim.prefill_router)
     records = sim.run(requests)
-    row = summarize(label, [r.to_result() for r in records],
+    results = [r.to_result() for r in records]
+    row = summarize(label, results,
                     store_tokens=sum(r.num_store_tokens for r in records if r.error is None),
                     prefill_tokens=_prefill_tokens_by_worker(records))
     row.update(loads_skipped=sim.num_loads_skipped, awaited=sim.num_awaited)
+    row["requests"] = log.rows([(r.request_id, r.arrival_s, r.prompt_len, r.num_cached_tokens,
+                                 x.ttft_s) for r, x in zip(records, results)])
+    row["plan_shortfall"] = plan_shortfall(row["requests"])
     return row
 
 
@@ -276,11 +314,13 @@ def summarize(label: str, results, store_tokens: int, prefill_tokens: dict[str, 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'policy':24} {'TTFT p50':>9} {'TTFT p99':>9} {'hit %':>6} {'device':>7} "
-          f"{'store':>7} {'max/mean':>8}")
+          f"{'store':>7} {'max/mean':>8} {'short of plan':>14}")
     for r in rows:
+        short = r.get("plan_shortfall")
+        short = f"{short['num_requests']} / {short['tokens']}" if short else "-"
         print(f"{r['policy']:24} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} "
               f"{100 * r['hit_rate']:6.1f} {r['device_hit_tokens']:7d} "
-              f"{r['store_hit_tokens']:7d} {r['prefill_max_over_mean']:8.2f}")
+              f"{r['store_hit_tokens']:7d} {r['prefill_max_over_mean']:8.2f} {short:>14}")
 
 
 # --- the real cluster -------------------------------------------------------------------------
@@ -304,8 +344,10 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
         kv_store_url=f"fs://{store_dir}", prefill_router=router, cpu_affinity=True,
         heartbeat_timeout_s=30.0, loop_stall_timeout_s=120.0, stall_timeout_s=600.0))
     client.prefill_router = build_prefill_router(router, **options)
+    log = PlanLog(client.prefill_router, engine.block_size)
     await client.start()
     results: list = []
+    by_index: dict[int, object] = {}
 
     async def one(i: int, req: BenchRequest, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + req.arrival_time_s - time.monotonic()))
@@ -324,6 +366,7 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
         except Exception as exc:  # recorded
             result.error = str(exc)
         results.append(result)
+        by_index[i] = result
 
     try:
         t0 = time.monotonic()
@@ -348,6 +391,10 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
                                   "await_tokens": c.store_await_tokens}
                               for w, c in counters.items()}
     row["routed"], row["worker_suspensions"] = routed, suspensions
+    row["requests"] = log.rows([(f"r{i}", req.arrival_time_s, len(req.prompt_token_ids),
+                                 by_index[i].cached_tokens, by_index[i].ttft_s)
+                                for i, req in enumerate(requests)])
+    row["plan_shortfall"] = plan_shortfall(row["requests"])
     row["ttft_s"] = [r.ttft_s for r in results if r.success]
     row["load_avg_1m_after"] = os.getloadavg()[0]
     return row

@@ -114,6 +114,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         self._plans: dict[str, PrefixPlan] = {}
         self.num_awaited = 0  # requests sent to await a prefix computed elsewhere (a metric)
         self._last_routed: dict[str, int] = {}  # worker -> decision number (ties rotate)
+        self.last_plan: PrefixPlan | None = None  # the last routed request's (for logs)
 
     def predicted_cost_s(self, request: RoutingRequest) -> float:
         choice = self._choice
@@ -214,7 +215,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         if choice is None or choice[0] != request.request_id or choice[1] != worker_id:
             own = self._hinted_cost_s(request)  # routed without `select` (or elsewhere)
             self._choice = (request.request_id, worker_id, PrefixPlan(worker_id, own, own))
-        plan = self._choice[2]
+        plan = self.last_plan = self._choice[2]
         super().on_routed(request, worker_id, now)  # reserves plan.own_cost_s
         self._choice = None
         self._last_routed[worker_id] = sum(self.num_routed.values())
