@@ -201,3 +201,33 @@ def test_unseeded_rows_still_vary():
     sampler = Sampler(CPU, seed=0)
     tokens = [draw(sampler, sp(), 0) for _ in range(32)]
     assert len(set(tokens)) >= 28
+
+
+# ---- row_argmax: the blocked CPU argmax the greedy path uses (issue 12) --------------------
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000, 513, 300])
+def test_row_argmax_equals_torch_argmax_with_ties_nan_and_inf(vocab):
+    from deepinfer.runtime.sampler import row_argmax
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[0, 5] = x[0, 9] = x[0, vocab - 1] = 100.0  # tie: the first index wins
+    x[1, vocab - 1] = 100.0  # maximum in the (maybe short) last block
+    x[2, :] = float("-inf")  # all -inf: index 0
+    x[3, vocab // 2] = float("nan")  # NaN counts as the maximum
+    x[4, vocab // 3] = float("inf")
+    x[5, :] = 7.0  # all equal
+    x[6, 511 % vocab] = x[6, 512 % vocab] = 50.0  # a tie across a block boundary
+    x[7, 0] = 60.0
+    got = row_argmax(x)
+    assert got.dtype == torch.long
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[2:5]), x[2:5].argmax(dim=-1))  # a row subset (gathered copy)
+
+
+def test_greedy_sampling_uses_first_index_of_tied_maximum():
+    logits = torch.full((2, 4096), -5.0)
+    logits[0, [3000, 1200]] = 9.0
+    logits[1, [4095, 700]] = 9.0
+    greedy = ScheduledRequest("a", [1], 0, [0], True, SamplingParams(temperature=0.0), 0)
+    tokens, _ = Sampler(CPU).sample(logits, [greedy, dataclasses.replace(greedy, request_id="b")])
+    assert tokens == [1200, 700]
