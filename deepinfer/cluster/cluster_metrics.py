@@ -42,6 +42,9 @@ _COUNTERS = (
      lambda c: c.num_transfer_failures),
     ("kv_transfer_seconds", "Total KV transfer time (decode side).",
      lambda c: c.transfer_seconds_total),
+    ("engine_step_failures", "Engine steps that raised on this worker and were recovered "
+     "from (the requests they were pinned on failed; the rest went on).",
+     lambda c: c.num_failed_steps),
 )
 
 

@@ -133,11 +133,11 @@ class DecodeWorkerLoop(WorkerLoop):
             c.transfer_seconds_total += result.seconds
             self._dirty = True
 
-    def after_step(self, outputs: list) -> None:
-        super().after_step(outputs)
-        for failure in self.engine.take_request_failures():  # e.g. images it cannot recompute
-            self.tracker.forget([failure.request_id])
-            self.emit_error(failure.request_id, failure.message)
+    def forget_failed(self, request_id: str) -> None:
+        # An engine fault fails transfers in progress too: their blocks are free now, so a
+        # pull still in flight must never be written into them.
+        if self._incoming.pop(request_id, None) is not None:
+            self.transport.cancel_fetch(request_id)
 
     def _fail(self, request_id: str, message: str, free: bool = True) -> None:
         self._incoming.pop(request_id, None)

@@ -52,14 +52,24 @@ from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError
-from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
+from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
+from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta, RequestError
 
 logger = logging.getLogger(__name__)
 SEND_TIMEOUT_MS = 2000  # a worker's input socket that blocks this long is treated as lost
 
 HEALTH_CHECK_PERIOD_S = 0.1
 MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
+
+
+def _worker_error(error: RequestError, num_tokens_streamed: int) -> Exception:
+    """A worker's error as the front raises it: a step that failed while running the request
+    (500 request_failed), a refusal before anything was streamed (400), else a lost stream."""
+    if error.failed:
+        return RequestFailedError(error.message, error.engine_fault)
+    if num_tokens_streamed == 0:
+        return ValueError(error.message)
+    return EngineDeadError(error.message)
 
 
 @dataclass(frozen=True)
@@ -267,6 +277,8 @@ class DisaggClient:
             prefix_cache_queries=sum(c.prefix_query_tokens for c in counters),
             prefix_cache_hits=sum(c.device_hit_tokens + c.store_hit_tokens + c.host_hit_tokens
                                   for c in counters),
+            num_failed_steps=sum(c.num_failed_steps for c in counters),
+            num_failed_requests=sum(c.num_failed_requests for c in counters),
             **spec_decode_totals(counters))
 
     # --- requests ----------------------------------------------------------------------------
@@ -507,9 +519,7 @@ class DisaggClient:
         for error in report.errors:
             track = self._current_track(error.request_id, report.worker_id)
             if track is not None:
-                await self._give_up(track, ValueError(error.message)
-                                    if track.num_tokens_streamed == 0
-                                    else EngineDeadError(error.message))
+                await self._give_up(track, _worker_error(error, track.num_tokens_streamed))
 
     def _current_track(self, request_id: str, worker_id: str) -> _Track | None:
         """The live request, if `worker_id` is the one now serving it: a worker that was

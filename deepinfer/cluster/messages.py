@@ -144,6 +144,8 @@ class WorkerCounters(msgspec.Struct):
     transfer_seconds_total: float = 0.0
     num_staged: int = 0  # prefill: KV payloads waiting to be pulled (gauge)
     staged_bytes: int = 0  # gauge
+    num_failed_steps: int = 0  # engine steps that raised; the worker carried on
+    num_failed_requests: int = 0  # requests failed because of them
     # decode: speculative decoding (summed over workers into the front's spec_decode_* metrics)
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

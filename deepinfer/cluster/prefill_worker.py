@@ -84,6 +84,12 @@ class PrefillWorkerLoop(WorkerLoop):
         self._step_start: tuple[float, int] | None = None
         attach_embedding_store(engine, spec.kv_store_url)  # E/P/D: embeddings by image hash
         self._num_skipped_since_read = 0
+        self._num_failed_steps = 0
+
+    def forget_failed(self, request_id: str) -> None:
+        self._prefilling.pop(request_id, None)  # never published past what it computed
+        self.staging.release(request_id)
+        self.transport.unstage(request_id)
 
     def handle(self, message) -> None:
         if isinstance(message, AbortRequests):
@@ -255,11 +261,16 @@ class PrefillWorkerLoop(WorkerLoop):
         return num
 
     def after_step(self, outputs: list) -> None:
-        if self._step_start is not None:
+        # A failed step was undone: its requests computed nothing (their blocks past what
+        # earlier steps computed left the prefix cache) and nothing of it is published.
+        self.answer_step_failures()
+        failed = self.engine.num_failed_steps != self._num_failed_steps
+        self._num_failed_steps = self.engine.num_failed_steps
+        if self._step_start is not None and not failed:  # a failed step measures nothing
             start, before = self._step_start
             self.compute_rate.observe(self._tokens_computed_since(before),
                                       time.monotonic() - start)
-            self._step_start = None
+        self._step_start = None
         self._publish_computed_blocks()
         for output in outputs:
             entry = self._prefilling.pop(output.request_id, None)

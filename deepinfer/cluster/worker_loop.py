@@ -63,8 +63,23 @@ class WorkerLoop:
         return False
 
     def after_step(self, outputs: list) -> None:
+        self.answer_step_failures()
         for output in outputs:
             self._outputs.append(self.tracker.to_delta(output))
+
+    def forget_failed(self, request_id: str) -> None:
+        """The engine dropped this request (a failed step): free what the role holds for it."""
+
+    def answer_step_failures(self) -> None:
+        """Requests the engine failed (it carried on without them: `isolate_step_faults`, or
+        e.g. images a decode worker cannot recompute) are forgotten here and answered with
+        their error, which the front turns into a request failure (500 request_failed)."""
+        for failure in self.engine.take_request_failures():
+            self.forget_failed(failure.request_id)
+            self.tracker.forget([failure.request_id])
+            self._errors.append(RequestError(failure.request_id, failure.message, failed=True,
+                                             engine_fault=failure.engine_fault))
+            self._dirty = True
 
     def extra_load(self) -> tuple[int, int, int]:
         """(waiting requests, KV tokens, queued uncached tokens) held outside the scheduler's
@@ -161,6 +176,8 @@ class WorkerLoop:
             compute_s_per_token=self.compute_load_rate())
 
     def send_report(self) -> None:
+        self.counters.num_failed_steps = self.engine.num_failed_steps
+        self.counters.num_failed_requests = self.engine.num_failed_requests
         self.update_counters()
         report = WorkerReport(worker_id=self.spec.worker_id, load=self.load_report(),
                               counters=self.counters, outputs=self._outputs,

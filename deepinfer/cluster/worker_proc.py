@@ -14,6 +14,7 @@ import zmq
 
 from deepinfer.cluster.messages import WorkerFailed, WorkerHeartbeat, WorkerReady, make_encoder
 from deepinfer.cluster.worker_spec import WorkerSpec
+from deepinfer.engine.step_faults import isolate_step_faults
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
         salt = store_salt(layout, engine.source, engine.config.block_size)
         store = open_store(spec.kv_store_url, salt, layout=layout.descriptor)
         tier = SharedPrefixTier(store, engine.cache, engine.scheduler.kv, layout)
+    isolate_step_faults(engine, spec.role)  # the loop answers the requests a step fails
     loop = PrefillWorkerLoop(spec, engine, input_socket, output_socket, transport, tier)
     return engine, loop, transport, tier
 
@@ -48,6 +50,7 @@ def _build_decode(spec: WorkerSpec, input_socket, output_socket):
     from deepinfer.cluster.kv_transport import ZmqKVTransport
 
     engine = DisaggDecodeEngine(spec.engine_config)
+    isolate_step_faults(engine, spec.role)  # not EP ranks: their steps run in lockstep
     transport = ZmqKVTransport(spec.host, serve=False)
     loop = DecodeWorkerLoop(spec, engine, input_socket, output_socket, transport)
     return engine, loop, transport, None

@@ -8,7 +8,12 @@ fault is the engine's, not a request's.
 
 `DebugStepFault` is the fault-injection hook the tests use over HTTP: with
 DEEPINFER_DEBUG_STEP_FAULT_SEED=<int> in the engine's environment, a step that schedules a
-request with that sampling seed raises, as a runner error caused by one request would.
+request with that sampling seed raises, as a runner error caused by one request would. In a
+disaggregated cluster an entry may name the worker role it applies to, e.g.
+"prefill:7,decode:8" (a bare seed applies to every engine).
+
+`isolate_step_faults` is what a loop that answers `take_request_failures()` calls on its
+engine: the colocated engine loop and the disaggregated prefill / decode worker loops.
 """
 from __future__ import annotations
 
@@ -65,21 +70,34 @@ def pin_step_fault(execute: Callable[[SchedulerOutput], object], output: Schedul
     return culprits
 
 
-class DebugStepFault:
-    """Raises inside the step for a request with the configured seed (tests only)."""
+def isolate_step_faults(engine, role: str | None = None) -> None:
+    """A step that raises fails only the requests it is pinned on (the caller answers them
+    from `engine.take_request_failures()` after every step); `role`'s debug faults apply."""
+    engine.isolate_step_faults = True
+    engine.debug_fault = DebugStepFault.from_env(role)
 
-    def __init__(self, seed: int | None) -> None:
-        self.seed = seed
+
+class DebugStepFault:
+    """Raises inside the step for a request with a configured seed (tests only)."""
+
+    def __init__(self, seed: int | None = None, *, seeds: tuple[int, ...] = ()) -> None:
+        self.seeds = frozenset(seeds) | ({seed} if seed is not None else set())
 
     @classmethod
-    def from_env(cls) -> DebugStepFault:
-        value = os.environ.get(DEBUG_FAULT_SEED_ENV)
-        return cls(int(value) if value else None)
+    def from_env(cls, role: str | None = None) -> DebugStepFault:
+        """The seeds of DEEPINFER_DEBUG_STEP_FAULT_SEED that apply to an engine of `role`
+        ("prefill", "decode"; None: a colocated engine, bare seeds only)."""
+        seeds = []
+        for entry in filter(None, os.environ.get(DEBUG_FAULT_SEED_ENV, "").split(",")):
+            entry_role, _, seed = entry.strip().rpartition(":")
+            if not entry_role or entry_role == role:
+                seeds.append(int(seed))
+        return cls(seeds=tuple(seeds))
 
     def check(self, output: SchedulerOutput) -> None:
-        if self.seed is None:
+        if not self.seeds:
             return
         for sched in output.scheduled:
-            if sched.sampling_params.seed == self.seed:
+            if sched.sampling_params.seed in self.seeds:
                 raise RuntimeError(f"injected fault for request {sched.request_id} "
-                                   f"({DEBUG_FAULT_SEED_ENV}={self.seed})")
+                                   f"({DEBUG_FAULT_SEED_ENV}, seed {sched.sampling_params.seed})")

@@ -1,0 +1,32 @@
+"""Step faults in disaggregated workers, without a model: the debug hook's per-role seeds, and
+how the front turns a worker's error into the client's error."""
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.cluster.disagg_client import _worker_error
+from deepinfer.engine.step_faults import DebugStepFault
+from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
+from deepinfer.server.messages import RequestError
+from tests.unit.test_step_fault_pinning import batch
+
+
+def test_debug_seeds_apply_to_their_role_only(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_DEBUG_STEP_FAULT_SEED", "prefill:7, decode:8,9")
+    assert DebugStepFault.from_env("prefill").seeds == {7, 9}
+    assert DebugStepFault.from_env("decode").seeds == {8, 9}
+    assert DebugStepFault.from_env().seeds == {9}  # a colocated engine: bare seeds only
+    hook = DebugStepFault.from_env("decode")
+    hook.check(batch("a", seeds={"a": 7}))  # the prefill worker's seed
+    with pytest.raises(RuntimeError, match="injected fault for request b"):
+        hook.check(batch("a", "b", seeds={"b": 8}))
+
+
+def test_a_failed_step_is_a_request_failure_not_a_bad_request():
+    failed = RequestError("r", "the engine failed while running this request", failed=True)
+    for streamed in (0, 3):  # before or after the first token
+        error = _worker_error(failed, streamed)
+        assert isinstance(error, RequestFailedError) and not error.engine_fault
+    refused = RequestError("r", "the prompt is empty")
+    assert isinstance(_worker_error(refused, 0), ValueError)
+    assert isinstance(_worker_error(refused, 1), EngineDeadError)
