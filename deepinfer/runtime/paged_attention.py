@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepinfer.runtime.cpu_decode_kernel import DecodeKernel
+from deepinfer.runtime.cpu_prefill_kernel import PrefillKernel
 from deepinfer.runtime.kv_cache import PagedKVCache
 
 
@@ -49,11 +50,18 @@ class PagedAttention:
     """AttentionBackend for one step."""
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, num_heads: int,
-                 decode_kernel: DecodeKernel | None = None) -> None:
+                 decode_kernel: DecodeKernel | None = None,
+                 prefill_kernel: PrefillKernel | None = None) -> None:
         self.cache = cache
         self.meta = metadata
         self.num_heads = num_heads
         self.decode_kernel = decode_kernel
+        # The C prefill kernel when it takes this cache's dtype and head shape, else SDPA.
+        spec = cache.spec
+        if prefill_kernel is not None and not prefill_kernel.supports(
+                spec.dtype, spec.head_dim, num_heads, spec.num_kv_heads):
+            prefill_kernel = None
+        self.prefill_kernel = prefill_kernel
 
     def forward(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer_idx)  # [blocks, bs, KV, d]
@@ -99,6 +107,15 @@ class PagedAttention:
     def _prefill(self, chunk: PrefillChunkMetadata, q: Tensor, k: Tensor, v: Tensor,
                  k_cache: Tensor, v_cache: Tensor, out: Tensor, gqa: bool) -> None:
         lo, hi = chunk.start, chunk.start + chunk.num_tokens
+        if self.prefill_kernel is not None:  # in place through the block table, into `out`
+            if chunk.block_ids is None:
+                self.prefill_kernel.flat(q[lo:hi], k[lo:hi], v[lo:hi], out[lo:hi],
+                                         torch.get_num_threads())
+            else:
+                self.prefill_kernel.paged(q[lo:hi], k_cache, v_cache, chunk.block_ids,
+                                          chunk.num_computed_tokens, out[lo:hi],
+                                          torch.get_num_threads())
+            return
         # 4-D [1, heads, tokens, d]: 3-D inputs miss the fused CPU flash kernel.
         query = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, x, d]
         if chunk.block_ids is None:
