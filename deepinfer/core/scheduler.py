@@ -302,6 +302,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        # A victim already scheduled this step had its chunk's blocks registered, but the
+        # step will not compute them: they must not be found as a prefix.
+        self.kv.uncache_uncomputed_blocks(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
