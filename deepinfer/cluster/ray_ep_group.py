@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
 from deepinfer.cluster.ray_launcher import (DEFAULT_EP_STRATEGY, EP_PLACEMENT_STRATEGIES,
-                                            RayActorProcess, RoleResources, connect_actors,
-                                            disconnect_ray)
+                                            LoopThread, RayActorProcess, RoleResources,
+                                            connect_actors, disconnect_ray)
 from deepinfer.ep.dp_client import DataParallelClient
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle, front_sockets
 from deepinfer.server.engine_client import EngineDeadError
@@ -44,14 +43,9 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-class RankActor:
+class RankActor(LoopThread):
     """One rank of a group: `where` says where it runs, `free_port` picks a port on its node
     (rank 0's is the group's rendezvous), `start` runs the rank loop in a thread."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._exit_code: int | None = None
-        self._thread: threading.Thread | None = None
 
     def where(self) -> dict:
         import ray
@@ -68,33 +62,18 @@ class RankActor:
 
     def start(self, kwargs: dict) -> None:
         import ray
+
+        from deepinfer.ep.rank_proc import run_rank_proc
         # Collectives must leave through the interface that holds the node IP Ray reports
         # (gloo otherwise resolves the hostname, which may name a loopback address).
         interface = interface_of(ray.util.get_node_ip_address())
         if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(kwargs,), daemon=True,
-                                            name=f"deepinfer-rank{kwargs['rank']}")
-            self._thread.start()
-
-    def _run(self, kwargs: dict) -> None:
-        from deepinfer.ep.rank_proc import run_rank_proc
-        code = 0
-        try:
-            run_rank_proc(**kwargs)  # no parent pid: Ray ends the actor with its owner
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # reported to the front as EngineDead where possible
-            logger.exception("rank %s failed", kwargs.get("rank"))
-            code = 1
-        self._exit_code = code
-        self._done.set()
-
-    def wait(self) -> int:
-        self._done.wait()
-        return self._exit_code
+        # No parent pid: Ray ends the actor with its owner. Failures are reported to the
+        # front as EngineDead where possible.
+        self._start_loop(lambda: run_rank_proc(**kwargs), f"deepinfer-rank{kwargs['rank']}",
+                         f"rank {kwargs.get('rank')}")
 
 
 class RayRankProcess(RayActorProcess):

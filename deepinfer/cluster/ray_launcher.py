@@ -132,39 +132,30 @@ def check_store_locality(store_url: str | None, shared: bool, prefill_nodes: lis
         f"--kv-store none, or pin prefill workers to one node with --prefill-resources")
 
 
-class WorkerActor:
-    """The Ray actor of one worker: `start` runs `run_worker_proc` in a thread and returns at
-    once with where it runs; `wait` returns the loop's exit code when it ends."""
+class LoopThread:
+    """The part every DeepInfer actor shares: it runs one worker or rank loop in a thread (a
+    threaded actor keeps answering `wait` / `ping` meanwhile); `wait` returns the loop's exit
+    code when it ends (1 on an error, which the loop reported to the front where it could)."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._exit_code: int | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> dict:
-        import ray
-        ip = ray.util.get_node_ip_address()
-        # This node's IP, not 127.0.0.1: the KV endpoint must be reachable from other nodes.
-        # No parent pid: the front is not our parent; Ray ends the actor with its owner.
-        spec = dataclasses.replace(self.spec, host=ip, parent_pid=None)
+    def _start_loop(self, target, name: str, what: str) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(spec,),
-                                            name=f"deepinfer-{spec.worker_id}", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(target, what), name=name,
+                                            daemon=True)
             self._thread.start()
-        context = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": context.get_node_id(), "node_ip": ip,
-                "actor_id": context.get_actor_id()}
 
-    def _run(self, spec: WorkerSpec) -> None:
-        from deepinfer.cluster.worker_proc import run_worker_proc
+    def _run(self, target, what: str) -> None:
         code = 0
         try:
-            run_worker_proc(spec)
+            target()
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # already reported to the front as WorkerFailed where possible
-            logger.exception("%s: worker loop failed", spec.worker_id)
+        except BaseException:
+            logger.exception("%s failed", what)
             code = 1
         self._exit_code = code
         self._done.set()
@@ -172,6 +163,29 @@ class WorkerActor:
     def wait(self) -> int:
         self._done.wait()
         return self._exit_code
+
+
+class WorkerActor(LoopThread):
+    """The Ray actor of one worker: `start` runs `run_worker_proc` in a thread and returns at
+    once with where it runs; `wait` returns the loop's exit code when it ends."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def start(self) -> dict:
+        import ray
+
+        from deepinfer.cluster.worker_proc import run_worker_proc
+        ip = ray.util.get_node_ip_address()
+        # This node's IP, not 127.0.0.1: the KV endpoint must be reachable from other nodes.
+        # No parent pid: the front is not our parent; Ray ends the actor with its owner.
+        spec = dataclasses.replace(self.spec, host=ip, parent_pid=None)
+        self._start_loop(lambda: run_worker_proc(spec), f"deepinfer-{spec.worker_id}",
+                         f"{spec.worker_id}: worker loop")
+        context = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": context.get_node_id(), "node_ip": ip,
+                "actor_id": context.get_actor_id()}
 
     def ping(self) -> bool:
         return True
