@@ -117,22 +117,28 @@ def run_front(test, **config):
         workers = {wid: FakeWorker(client, ctx, wid, wid[0] == "p" and "prefill" or "decode",
                                    64 if wid[0] == "p" else decode_blocks)
                    for wid in ("p0", "p1", "d0", "d1")}
-        client.tokenizer = object()
-        client._tasks = [asyncio.create_task(client._output_loop()),
-                         asyncio.create_task(client._health_loop())]
-        try:
-            await test(client, workers)
-        finally:
-            for task in client._tasks:
-                task.cancel()
-            for w in workers.values():
-                w.inbox.close(linger=0)
-                w.out.close(linger=0)
-                w.handle.input_socket.close(linger=0)
-            client._output.close(linger=0)
-            client._ctx.term()
-            ctx.term()
+        await drive_front(client, ctx, workers, test)
     asyncio.run(main())
+
+
+async def drive_front(client, ctx: zmq.Context, workers: dict, test) -> None:
+    """Run `test(client, workers)` with the front's output and health loops going, then close
+    every socket (the front's, the fake workers') and both contexts."""
+    client.tokenizer = object()
+    client._tasks = [asyncio.create_task(client._output_loop()),
+                     asyncio.create_task(client._health_loop())]
+    try:
+        await test(client, workers)
+    finally:
+        for task in client._tasks:
+            task.cancel()
+        for w in workers.values():
+            w.inbox.close(linger=0)
+            w.out.close(linger=0)
+            w.handle.input_socket.close(linger=0)
+        client._output.close(linger=0)
+        client._ctx.term()
+        ctx.term()
 
 
 async def consume(client, request_id: str, prompt=None) -> dict:

@@ -22,7 +22,8 @@ from deepinfer.ep.ep_disagg_client import EPDisaggClient
 from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
 from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
-from tests.unit.test_disagg_client_faults import BLOCK, FakeWorker, consume, first_token, until
+from tests.unit.test_disagg_client_faults import (BLOCK, FakeWorker, consume, drive_front,
+                                                  first_token, until)
 
 pytestmark = pytest.mark.timeout(60)
 RANKS = ("d0", "d1", "d2", "d3")  # groups {d0, d1} and {d2, d3}
@@ -43,20 +44,7 @@ def run_ep_front(test):
             workers[wid] = w = FakeWorker(client, ctx, wid, "decode")
             w.handle.spec = dataclasses.replace(w.handle.spec,
                                                 ep_rank=EPRankSpec(ep, i // 2, i % 2, 0))
-        client.tokenizer = object()
-        client._tasks = [asyncio.create_task(client._output_loop()),
-                         asyncio.create_task(client._health_loop())]
-        try:
-            await test(client, workers)
-        finally:
-            for task in client._tasks:
-                task.cancel()
-            for w in workers.values():
-                for sock in (w.inbox, w.out, w.handle.input_socket):
-                    sock.close(linger=0)
-            client._output.close(linger=0)
-            client._ctx.term()
-            ctx.term()
+        await drive_front(client, ctx, workers, test)
     asyncio.run(main())
 
 
