@@ -10,6 +10,7 @@ Definitions (as vLLM's benchmark_serving):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -180,3 +181,14 @@ def request_columns(results: list[RequestResult]) -> dict[str, list]:
             "cached_tokens": [r.cached_tokens for r in results],
             "errors": [r.error for r in results]}
 
+
+
+def finite_json(value):
+    """A JSON-ready copy: JSON has no NaN/inf, so they are written as null (nested too)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value

@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import platform
 import time
 
 from deepinfer.bench.errors import BenchError
-from deepinfer.bench.latency_stats import format_summary, request_columns, summarize
+from deepinfer.bench.latency_stats import (finite_json, format_summary, request_columns,
+                                           summarize)
 from deepinfer.bench.serve_client import BenchRun, ClientConfig, run_benchmark
-from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
+from deepinfer.bench.workload_args import (add_report_args, add_workload_args,
+                                           workload_config_from_args)
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
 
 
@@ -36,11 +37,7 @@ def register(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-concurrency", type=int, default=None)
     add_workload_args(p)
-    o = p.add_argument_group("report")
-    o.add_argument("--slo-ttft-ms", type=float, default=None)
-    o.add_argument("--slo-tpot-ms", type=float, default=None)
-    o.add_argument("--json", dest="json_path", default=None)
-    o.add_argument("--plot", dest="plot_path", default=None)
+    o = add_report_args(p)
     o.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=run)
 
@@ -101,17 +98,6 @@ def run(args) -> int:
     return 0 if summary.num_completed else 1
 
 
-def _finite(value):
-    """JSON has no NaN/inf: write null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _write_json(args, workload_cfg: WorkloadConfig, description: str, bench_run: BenchRun,
                 summary) -> None:
     results = bench_run.results
@@ -127,4 +113,4 @@ def _write_json(args, workload_cfg: WorkloadConfig, description: str, bench_run:
         "requests": request_columns(results),
     }
     with open(args.json_path, "w") as f:
-        json.dump(_finite(payload), f, indent=1)
+        json.dump(finite_json(payload), f, indent=1)

@@ -1,5 +1,6 @@
 """The workload flags shared by `deepinfer bench serve`, `simulate` and `plan` (same names, same
-defaults), and the `WorkloadConfig` they describe."""
+defaults), the `WorkloadConfig` they describe, and the report flags of `bench serve` and
+`simulate`."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,17 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="images workload: sizes drawn uniformly per image")
     w.add_argument("--num-unique-images", type=int, default=0,
                    help="images workload: draw images from a pool of N (repeats); 0: all new")
+
+
+def add_report_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The report flags of `bench serve` and `simulate` (SLOs for goodput, JSON, plot); the
+    group is returned for a command's own report flags."""
+    o = p.add_argument_group("report")
+    o.add_argument("--slo-ttft-ms", type=float, default=None)
+    o.add_argument("--slo-tpot-ms", type=float, default=None)
+    o.add_argument("--json", dest="json_path", default=None)
+    o.add_argument("--plot", dest="plot_path", default=None)
+    return o
 
 
 def workload_config_from_args(args) -> WorkloadConfig:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
+from deepinfer.bench.workload_args import (add_report_args, add_workload_args,
+                                           workload_config_from_args)
 
 
 def parse_worker_overrides(items: list[str] | None) -> dict[str, int]:
@@ -42,11 +43,7 @@ def register(sub) -> None:
     p.add_argument("--workers", action="append", metavar="ROLE=N",
                    help="resize a pool, e.g. --workers prefill=2 --workers decode=2")
     add_workload_args(p)
-    o = p.add_argument_group("report")
-    o.add_argument("--slo-ttft-ms", type=float, default=None)
-    o.add_argument("--slo-tpot-ms", type=float, default=None)
-    o.add_argument("--json", dest="json_path", default=None)
-    o.add_argument("--plot", dest="plot_path", default=None)
+    o = add_report_args(p)
     o.add_argument("--compare", default=None, metavar="JSON",
                    help="a bench serve (or simulate) JSON to diff the summary against")
     o.add_argument("--check-invariants", action="store_true",

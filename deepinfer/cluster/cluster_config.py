@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.cluster.worker_supervisor import RestartPolicy
-from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES
+from deepinfer.routing.policy_names import check_router_names
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker")
-        if self.prefill_router not in PREFILL_POLICIES:
-            raise ValueError(f"unknown prefill router {self.prefill_router!r}; "
-                             f"choose one of {sorted(PREFILL_POLICIES)}")
-        if self.decode_router not in DECODE_POLICIES:
-            raise ValueError(f"unknown decode router {self.decode_router!r}; "
-                             f"choose one of {sorted(DECODE_POLICIES)}")
+        check_router_names(self.prefill_router, self.decode_router)
         if self.num_encode_workers < 0:
             raise ValueError("num_encode_workers must be >= 0")
         if self.num_encode_workers and self.store_url is None:

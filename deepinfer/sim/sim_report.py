@@ -9,13 +9,12 @@ such JSON documents side by side (simulated vs measured). Pure.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.bench.latency_stats import (BenchSummary, RequestResult, request_columns,
-                                           summarize)
+from deepinfer.bench.latency_stats import (BenchSummary, RequestResult, finite_json,
+                                           request_columns, summarize)
 from deepinfer.bench.workloads import Workload, WorkloadConfig, build_workload
 from deepinfer.sim.cluster_spec import ClusterSpec
 from deepinfer.sim.sim_request import SimRequest
@@ -83,17 +82,6 @@ def simulate_workload(cluster: ClusterSpec, workload: Workload, *,
                   time.perf_counter() - start)
 
 
-def _finite(value):
-    """JSON has no NaN/inf: write null (as `bench serve` does)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def to_bench_json(run: SimRun, workload_cfg: WorkloadConfig, *, model: str = "simulated",
                   slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                   cluster_source: str | None = None) -> dict[str, Any]:
@@ -121,7 +109,7 @@ def to_bench_json(run: SimRun, workload_cfg: WorkloadConfig, *, model: str = "si
             "wall_s": run.wall_s,
         },
     }
-    return _finite(payload)
+    return finite_json(payload)
 
 
 COMPARED = (("output_throughput", None), ("total_token_throughput", None),
