@@ -8,11 +8,20 @@ and writes the relative errors of TTFT p50, TPOT p50 and output throughput:
   w1        random 256 in / 128 out, all at once, one colocated engine
   mooncake  the Mooncake conversation trace shrunk in length and time, one colocated engine
   mooncake-pd  the same replay on P=2 prefill + D=2 decode workers (fs shared store)
+  workload     any `bench serve` workload (--trace PATH or --workload, with its shrinking
+               flags), one colocated engine
+  workload-pd  the same on P=2 / D=2
 
     .venv/bin/python benchmarks/sim_validation.py --out benchmarks/results/sim_validation.json
+    .venv/bin/python benchmarks/sim_validation.py --trace T.csv --num-prompts 40 \
+        --length-scale 0.25 --max-input-len 768 --max-output-len 48 --time-scale 0.1
 
-Link and store speeds given to the simulator are stated assumptions (not fitted): KV
-transfer 1 GB/s + 2 ms, shared store 1 GB/s + 1 ms; the host's cores are shared (contention).
+Nothing is fitted to a trace: step times, per-step host overhead and the KV link come from
+`deepinfer profile` (measured here before the runs); the shared store's speed is a stated
+assumption (1 GB/s + 1 ms). The host's cores are shared (contention). For every real run the
+script also records each process's CPU seconds (front, workers, this client) and the
+cluster's counters, next to the simulator's busy time per worker, so a gap can be traced to
+where the time went.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from deepinfer.bench.latency_stats import summarize  # noqa: E402
 from deepinfer.bench.serve_client import ClientConfig, run_benchmark  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
+from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
 from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
 
@@ -85,10 +95,14 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
                                              output_len=16, seed=12345))
         asyncio.run(run_benchmark(config, warm.requests))
         load_before = os.getloadavg()[0]
+        cpu_before = process_cpu_seconds(proc.pid)
         run = asyncio.run(run_benchmark(config, workload.requests))
+        cpu_after = process_cpu_seconds(proc.pid)
         summary = summarize(run.results, run.duration_s)
+        cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         return {"summary": summary, "hit_rate": run.prefix_cache_hit_rate,
-                "load_before": load_before, "load_after": os.getloadavg()[0]}
+                "load_before": load_before, "load_after": os.getloadavg()[0],
+                "cpu_s": cpu, "cluster_counters": cluster_counters(port)}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -97,13 +111,80 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
             proc.kill()
 
 
-def sim_cluster(profile: str, pools: dict) -> object:
+def process_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the server process, each of its descendants
+    (workers) and this process (the client), by a stable name."""
+    import psutil
+    out = {"client": sum(psutil.Process().cpu_times()[:2])}
+    try:
+        root = psutil.Process(pid)
+        procs = [("front", root)] + [(f"child-{p.pid}", p) for p in root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for name, p in procs:
+        try:
+            with p.oneshot():
+                out[name] = sum(p.cpu_times()[:2])
+                if name != "front":
+                    out[name + ":" + worker_role(p)] = out.pop(name)
+        except psutil.Error:
+            pass
+    return out
+
+
+def worker_role(p) -> str:
+    """The multiprocessing name of a worker ("deepinfer-prefill-0"), if its title shows it."""
+    try:
+        text = " ".join(p.cmdline())
+    except Exception:  # noqa: BLE001 - best effort, the pid names it anyway
+        return "?"
+    for role in ("prefill", "decode", "encode", "engine"):
+        if role in text:
+            return role
+    return "worker"
+
+
+def cluster_counters(port: int) -> dict[str, float]:
+    """The front's per-cluster counters (/metrics), summed over workers."""
+    import httpx
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("deepinfer:cluster_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0][len("deepinfer:cluster_"):]
+            try:
+                out[key] = out.get(key, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def measured_link(profile: str) -> dict:
+    """The KV transport `deepinfer profile` measured on this host (stage copy + pull +
+    write), or the old stated assumption when the profile has none."""
+    with open(profile) as f:
+        link = json.load(f).get("metadata", {}).get("kv_transport")
+    if not link:
+        return {"bandwidth_gb_s": 1.0, "latency_ms": 2.0}
+    return {"bandwidth_gb_s": link["bandwidth_gb_s"], "latency_ms": link["latency_ms"]}
+
+
+def sim_cluster(profile: str, pools: dict, sharing: str = "fair") -> object:
     return cluster_from_dict({
         "cost": {"profile": profile},
         "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
-        "pools": pools, "host": {"cores": os.cpu_count()},
-        "kv_transfer": {"bandwidth_gb_s": 1.0, "latency_ms": 2.0},
+        "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing},
+        "kv_transfer": measured_link(profile),
         "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
+
+
+def sim_busy(sim_run) -> dict[str, float]:
+    """Simulated seconds each worker spent in steps (incl. host overhead and contention)."""
+    return {w.worker_id: w.busy_time_s for w in sim_run.simulator.workers.values()}
 
 
 def metric(summary, key, sub):
@@ -117,9 +198,29 @@ def main() -> None:
     parser.add_argument("--grid", default="quick", choices=("quick", "full"))
     parser.add_argument("--w1-prompts", type=int, default=32)
     parser.add_argument("--mooncake-prompts", type=int, default=40)
-    parser.add_argument("--cases", default="w1,mooncake,mooncake-pd")
+    parser.add_argument("--cases", default=None,
+                        help="comma list of w1, mooncake, mooncake-pd, workload, workload-pd "
+                             "(default: workload,workload-pd with --trace/--workload, else "
+                             "w1,mooncake,mooncake-pd)")
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="a trace bench serve reads (.jsonl Mooncake, .csv Azure): the "
+                             "workload cases replay it (= --workload trace:PATH)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
+    add_workload_args(parser)
     args = parser.parse_args()
+    if args.trace is not None:
+        args.workload = f"trace:{args.trace}"
+    custom = args.trace is not None or args.workload != "random"
+    if args.cases is None:
+        args.cases = "workload,workload-pd" if custom else "w1,mooncake,mooncake-pd"
+    try:
+        custom_workload = workload_config_from_args(args)
+    except ValueError as e:
+        parser.exit(2, f"sim_validation: {e}\n")
+    unknown = set(args.cases.split(",")) - {"w1", "mooncake", "mooncake-pd", "workload",
+                                            "workload-pd"}
+    if unknown:
+        parser.exit(2, f"sim_validation: unknown cases {sorted(unknown)}\n")
 
     stem = Path(args.out).stem
     profile = args.profile or str(Path(args.out).with_name(f"{stem}_profile.json"))
@@ -134,15 +235,23 @@ def main() -> None:
                               shrink=ShrinkConfig(length_scale=0.05, max_input_len=768,
                                                   max_output_len=48))
     store_dir = tempfile.mkdtemp(prefix="sim-validation-store-")
+    pd_pools = {"prefill": {"workers": 2}, "decode": {"workers": 2}}
+
+    def pd_args(name: str) -> list[str]:  # each P/D case starts with an empty store
+        return ["--prefill-workers", "2", "--decode-workers", "2",
+                "--kv-store", f"fs://{os.path.join(store_dir, name)}"]
     cases = {
         "w1": (w1, [], {"colocated": {"workers": 1}}),
         "mooncake": (mooncake, [], {"colocated": {"workers": 1}}),
-        "mooncake-pd": (mooncake, ["--prefill-workers", "2", "--decode-workers", "2",
-                                   "--kv-store", f"fs://{store_dir}"],
-                        {"prefill": {"workers": 2}, "decode": {"workers": 2}}),
+        "mooncake-pd": (mooncake, pd_args("mooncake-pd"), pd_pools),
+        "workload": (custom_workload, [], {"colocated": {"workers": 1}}),
+        "workload-pd": (custom_workload, pd_args("workload-pd"), pd_pools),
     }
-    report = {"profile": profile, "grid": args.grid, "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),
-              "cases": {}}
+    with open(profile) as f:
+        meta = json.load(f).get("metadata", {})
+    report = {"profile": profile, "grid": args.grid, "num_kv_blocks": NUM_KV_BLOCKS,
+              "cpu_count": os.cpu_count(), "host_overhead": meta.get("host_overhead"),
+              "kv_link": measured_link(profile), "cases": {}}
     try:
         for name in args.cases.split(","):
             cfg, serve_args, pools = cases[name]
@@ -159,12 +268,25 @@ def main() -> None:
                 "measured_hit_rate": real["hit_rate"], "simulated_hit_rate":
                     sim_run.prefix_cache_hit_rate, "load_average": [real["load_before"],
                                                                     real["load_after"]],
+                "measured_cpu_s": real["cpu_s"], "cluster_counters": real["cluster_counters"],
+                "simulated_busy_s": sim_busy(sim_run),
+                "errors_at_start_sharing": compare(real["summary"], simulate_workload(
+                    sim_cluster(profile, pools, "at-start"), workload).summary()),
                 "measured_summary_obj": real["summary"],
                 "measured_failed": real["summary"].num_failed,
                 "simulated_failed": sim.num_failed}
             for metric_name, row in rows.items():
                 print(f"  {metric_name:<22} measured {row['measured']:10.2f}  simulated "
                       f"{row['simulated']:10.2f}  error {100 * row['error']:+6.1f}%", flush=True)
+            print("  with at-start host sharing: " + ", ".join(
+                f"{k} {100 * r['error']:+.1f}%" for k, r in
+                report["cases"][name]["errors_at_start_sharing"].items()), flush=True)
+            print("  measured CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                   sorted(real["cpu_s"].items())) +
+                  f" (duration {real['summary'].duration_s:.1f} s)", flush=True)
+            print("  simulated busy s: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                     sim_busy(sim_run).items()) +
+                  f" (duration {sim.duration_s:.1f} s)", flush=True)
             write(args.out, report)
         if args.profile is None:
             # The box is shared: re-profile after the runs and simulate again, so the report

@@ -12,7 +12,8 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
     routers:      {prefill: least-compute, decode: balanced}
     prefix_store: {capacity_blocks: 200000, bandwidth_gb_s: 2.0, latency_ms: 0.5}  # or none
     kv_transfer:  {bandwidth_gb_s: 1.0, latency_ms: 1.0}
-    host:         {cores: 2}   # workers share these CPU cores (omit for one device each)
+    host:         {cores: 2}   # workers share these CPU cores (omit for one device each);
+                               # sharing: fair (default) | at-start (see simulator.py)
 
 Every key is checked; unknown ones raise ValueError (a typo must not be silently ignored).
 """
@@ -24,10 +25,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES
+from deepinfer.routing.policy_names import check_router_names
 from deepinfer.sim.roofline import RooflineConfig
 
 POOL_ROLES = ("colocated", "prefill", "decode")
+HOST_SHARING = ("fair", "at-start")
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class ClusterSpec:
     kv_transfer: LinkSpec = field(default_factory=LinkSpec)
     prefix_store: StoreSpec | None = field(default_factory=StoreSpec)
     host_cores: int | None = None
+    host_sharing: str = "fair"  # fair: processor sharing; at-start: speed fixed at step start
     front_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -146,16 +149,13 @@ class ClusterSpec:
             raise ValueError("each pool role may appear once")
         if set(roles) not in ({"colocated"}, {"prefill", "decode"}):
             raise ValueError("pools: give colocated, or both prefill and decode")
-        if self.prefill_router not in PREFILL_POLICIES:
-            raise ValueError(f"unknown prefill router {self.prefill_router!r}; "
-                             f"choose one of {sorted(PREFILL_POLICIES)}")
-        if self.decode_router not in DECODE_POLICIES:
-            raise ValueError(f"unknown decode router {self.decode_router!r}; "
-                             f"choose one of {sorted(DECODE_POLICIES)}")
+        check_router_names(self.prefill_router, self.decode_router)
         if not self.report_interval_s > 0:
             raise ValueError("report_interval_s must be positive")
         if self.host_cores is not None and self.host_cores < 1:
             raise ValueError("host.cores must be >= 1")
+        if self.host_sharing not in HOST_SHARING:
+            raise ValueError(f"host.sharing must be one of {HOST_SHARING}")
         if self.front_latency_ms < 0:
             raise ValueError("front_latency_ms must be >= 0")
 
@@ -242,12 +242,13 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
             "prefix_store", store_data, {f.name for f in dataclasses.fields(StoreSpec)}))
     link = _build(LinkSpec, "kv_transfer", _check_keys(
         "kv_transfer", data.get("kv_transfer"), {f.name for f in dataclasses.fields(LinkSpec)}))
-    host = _check_keys("host", data.get("host"), {"cores"})
+    host = _check_keys("host", data.get("host"), {"cores", "sharing"})
     return ClusterSpec(
         pools=tuple(pools), prefill_router=routers.get("prefill", "least-compute"),
         decode_router=routers.get("decode", "balanced"),
         report_interval_s=float(data.get("report_interval_s", 0.2)), kv_transfer=link,
         prefix_store=store, host_cores=host.get("cores"),
+        host_sharing=host.get("sharing", "fair"),
         front_latency_ms=float(data.get("front_latency_ms", 0.0)))
 
 

@@ -13,10 +13,12 @@ decode worker allocates (FIFO while full) → KV transfer (latency + bytes / ban
 time per destination) → running decode until `output_len` tokens. Colocated: arrival →
 router (when there are several instances) → one scheduler does everything.
 
-Host contention: with `host_cores`, busy workers share the cores (processor sharing): while
-the busy workers' threads exceed the cores, each step advances at cores / busy threads of its
-full speed, re-evaluated whenever a worker starts or finishes a step (the CPU validation runs
-four single-thread workers on two cores). A step's work is its step-time model's answer
+Host contention: with `host_cores`, busy workers share the cores. `fair` (processor
+sharing): while the busy workers' threads exceed the cores, each step advances at cores /
+busy threads of its full speed, re-evaluated whenever a worker starts or finishes a step (the
+CPU validation runs four single-thread workers on two cores). `at-start`: a step's speed is
+fixed when it starts (cores / threads busy then) and never changes; it favours whichever step
+started first, kept to compare with measurements. A step's work is its step-time model's answer
 (model time + the engine loop's host work) plus blocking store loads. Time is simulated;
 nothing reads the clock.
 """
@@ -197,7 +199,7 @@ class ClusterSimulator:
         """A worker started or finished a step: bring every busy worker's remaining work up to
         now at the old speed, then (re)schedule its finish at the new speed."""
         speed = self._speed()
-        sharing = self.cluster.host_cores is not None
+        sharing = self.cluster.host_cores is not None and self.cluster.host_sharing == "fair"
         for w in self.workers.values():
             if not w.busy or (w is not changed and not sharing):
                 continue

@@ -48,11 +48,11 @@ def test_host_overhead_rejects_negative():
         HostOverhead(per_step_s=-1e-3)
 
 
-def _two_workers_one_core(profile: str, cores):
+def _two_workers_one_core(profile: str, cores, sharing: str = "fair"):
     data = {"cost": {"profile": profile}, "engine": {"num_kv_blocks": 256},
             "pools": {"colocated": {"workers": 2}}, "routers": {"prefill": "round-robin"}}
     if cores is not None:
-        data["host"] = {"cores": cores}
+        data["host"] = {"cores": cores, "sharing": sharing}
     return ClusterSimulator(cluster_from_dict(data))
 
 
@@ -74,6 +74,22 @@ def test_workers_sharing_a_core_advance_at_half_speed_while_both_are_busy():
     a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, d)])
     assert a.token_times_s[0] - a.arrival_s == pytest.approx(t)
     assert b.token_times_s[0] - b.arrival_s == pytest.approx(t)
+
+
+def test_at_start_sharing_fixes_a_steps_speed_when_it_starts():
+    """The older model, kept for comparison: a started alone keeps full speed (T); b started
+    while a was busy runs at half speed throughout (2T)."""
+    ids = list(range(1000, 1128))
+    sim = _two_workers_one_core(PROFILE, 1, "at-start")
+    t = sim.workers["colocated-0"].step_model.step_time_s([ChunkShape(0, len(ids))])
+    a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, 0.25 * t)])
+    assert a.token_times_s[0] - a.arrival_s == pytest.approx(t)
+    assert b.token_times_s[0] - b.arrival_s == pytest.approx(2 * t)
+
+
+def test_unknown_host_sharing_is_an_error():
+    with pytest.raises(ValueError, match="host.sharing"):
+        _two_workers_one_core(PROFILE, 1, "greedy")
 
 
 def test_enough_cores_means_no_slowdown():
