@@ -71,14 +71,10 @@ def default_model_fp32(default_model_source):
 @pytest.fixture(scope="session")
 def small_server():
     """A started `ServeProcess` (no API key, no waiting limit, --max-model-len 64)."""
-    from tests.integration.serve_process import SMALL_SERVER_ARGS, SMALL_SERVER_ENV, ServeProcess
-    server = ServeProcess(*SMALL_SERVER_ARGS, env=SMALL_SERVER_ENV)
-    try:
-        server.wait_ready()
+    from tests.integration.serve_process import (SMALL_SERVER_ARGS, SMALL_SERVER_ENV,
+                                                 running_server)
+    with running_server(*SMALL_SERVER_ARGS, env=SMALL_SERVER_ENV) as server:
         yield server
-    finally:
-        code = server.stop()
-    assert code == 0, f"server did not stop cleanly ({code})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequ
                                         WorkerCounters, WorkerReady, WorkerReport,
                                         make_encoder,
                                         worker_message_decoder)
+from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
+                                               bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.worker_spec import WorkerSpec
@@ -54,10 +56,9 @@ from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingReques
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
 from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta, RequestError
+from deepinfer.server.zmq_inbox import receive_message
 
 logger = logging.getLogger(__name__)
-SEND_TIMEOUT_MS = 2000  # a worker's input socket that blocks this long is treated as lost
-
 HEALTH_CHECK_PERIOD_S = 0.1
 MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
 
@@ -135,24 +136,15 @@ class DisaggClient:
                 encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level,
                 restart=cluster.restart_policy))
         self._ctx = zmq.asyncio.Context()
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        port = self._output.bind_to_random_port(f"tcp://{cluster.host}")
-        self._output_addr = f"tcp://{cluster.host}:{port}"
+        self._output, self._output_addr = bind_worker_output(self._ctx, cluster.host)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def _make_handle(self, role: str, index: int) -> WorkerHandle:
         c = self.cluster
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        # A PUSH socket whose worker died has no peer and would block a send forever, and
-        # with it the front's output loop (so every worker would look silent).
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        port = sock.bind_to_random_port(f"tcp://{c.host}")
+        sock, input_addr = bind_worker_input(self._ctx, c.host)
         spec = WorkerSpec(
             worker_id=f"{role}-{index}", role=role, engine_config=self.engine_config,
-            input_addr=f"tcp://{c.host}:{port}", output_addr=self._output_addr,
+            input_addr=input_addr, output_addr=self._output_addr,
             parent_pid=os.getpid(), kv_store_url=c.store_url,  # decode: image embeddings only
             report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
             kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
@@ -214,18 +206,8 @@ class DisaggClient:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for handle in self.workers.values():
-            if handle.proc is not None and handle.proc.is_alive():
-                try:
-                    await handle.input_socket.send(self._encoder.encode(ShutdownWorker()))
-                except zmq.ZMQError:
-                    pass
-        for handle in self.workers.values():
-            if handle.proc is not None:
-                await asyncio.to_thread(handle.proc.join, 10)
-                if handle.proc.is_alive():
-                    handle.proc.kill()
-            handle.input_socket.close(linger=0)
+        await stop_worker_processes(((h.proc, h.input_socket) for h in self.workers.values()),
+                                    self._encoder.encode(ShutdownWorker()))
         self._output.close(linger=0)
         self._ctx.term()
         if self.encode_stage is not None:
@@ -441,13 +423,7 @@ class DisaggClient:
     # --- worker messages ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
-            try:
-                message = self._decoder.decode(await self._output.recv())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a corrupt frame must not kill the front
-                logger.exception("bad message from a worker: %s", exc)
-                continue
+            message = await receive_message(self._output, self._decoder.decode, "a worker")
             if isinstance(message, WorkerReport):
                 await self._on_report(message)
                 for done in message.prefill_done:

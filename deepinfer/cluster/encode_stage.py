@@ -31,15 +31,17 @@ from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_RE
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
+                                               bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
 from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.zmq_inbox import receive_message
 
 logger = logging.getLogger(__name__)
-SEND_TIMEOUT_MS = 2000
 HEALTH_CHECK_PERIOD_S = 0.1
 
 
@@ -102,10 +104,7 @@ class EncodeStage:
         self._decoder = encode_worker_message_decoder()
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        port = self._output.bind_to_random_port(f"tcp://{config.host}")
-        self._output_addr = f"tcp://{config.host}:{port}"
+        self._output, self._output_addr = bind_worker_output(self._ctx, config.host)
         # Front-side observations (metrics): per-image encode time, images per request.
         self.encode_time = BucketCounts(ENCODE_TIME_BUCKETS)
         self.images_per_request = BucketCounts(IMAGES_PER_REQUEST_BUCKETS)
@@ -117,14 +116,10 @@ class EncodeStage:
     async def start(self) -> None:
         c = self.config
         for i in range(c.num_workers):
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-            port = sock.bind_to_random_port(f"tcp://{c.host}")
+            sock, input_addr = bind_worker_input(self._ctx, c.host)
             spec = EncodeWorkerSpec(
                 worker_id=f"encode-{i}", engine_config=self.engine_config,
-                input_addr=f"tcp://{c.host}:{port}", output_addr=self._output_addr,
+                input_addr=input_addr, output_addr=self._output_addr,
                 parent_pid=os.getpid(), kv_store_url=c.kv_store_url, cache_bytes=c.cache_bytes,
                 max_batch_images=c.max_batch_images, report_interval_s=c.report_interval_s,
                 log_level=c.log_level)
@@ -160,18 +155,8 @@ class EncodeStage:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for worker in self.workers.values():
-            if worker.proc is not None and worker.proc.is_alive():
-                try:
-                    await worker.socket.send(self._encoder.encode(ShutdownWorker()))
-                except zmq.ZMQError:
-                    pass
-        for worker in self.workers.values():
-            if worker.proc is not None:
-                await asyncio.to_thread(worker.proc.join, 10)
-                if worker.proc.is_alive():
-                    worker.proc.kill()
-            worker.socket.close(linger=0)
+        await stop_worker_processes(((w.proc, w.socket) for w in self.workers.values()),
+                                    self._encoder.encode(ShutdownWorker()))
         self._output.close(linger=0)
         self._ctx.term()
 
@@ -247,13 +232,8 @@ class EncodeStage:
     # --- worker messages ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
-            try:
-                message = self._decoder.decode(await self._output.recv())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a corrupt frame must not kill the front
-                logger.exception("bad message from an encode worker: %s", exc)
-                continue
+            message = await receive_message(self._output, self._decoder.decode,
+                                            "an encode worker")
             if isinstance(message, EncodeWorkerReport):
                 self._on_report(message)
             elif isinstance(message, EncodeWorkerReady):

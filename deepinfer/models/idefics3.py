@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from deepinfer.layers.empty_init import uninitialized
 from deepinfer.models.llama import LlamaForCausalLM
-from deepinfer.models.llava import load_vision_language_weights
+from deepinfer.models.llava import load_vision_language_weights, renamed_by_prefix
 from deepinfer.models.model_config import ModelConfig
 from deepinfer.models.vision_tower import VisionTowerConfig, VisionTransformer
 
@@ -91,14 +91,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     @staticmethod
     def _vision_target(name: str) -> str | None:
-        for old, new in _VISION_PREFIXES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return None
+        return renamed_by_prefix(name, _VISION_PREFIXES)
 
     @staticmethod
     def _language_name(name: str) -> str:
-        for old, new in _LANGUAGE_PREFIXES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
+        return renamed_by_prefix(name, _LANGUAGE_PREFIXES) or name

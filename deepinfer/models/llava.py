@@ -145,11 +145,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     @staticmethod
     def _language_name(name: str) -> str:
-        for old, new in _LANGUAGE_PREFIXES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
+        return renamed_by_prefix(name, _LANGUAGE_PREFIXES) or name
 
+
+
+def renamed_by_prefix(name: str, prefixes: Iterable[tuple[str, str]]) -> str | None:
+    """`name` with the first matching (old, new) prefix replaced; None if none matches."""
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None
 
 
 def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]],

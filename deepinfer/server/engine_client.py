@@ -34,6 +34,7 @@ from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
     RequestDelta, Shutdown, make_encoder, make_engine_decoder,
 )
+from deepinfer.server.zmq_inbox import receive_message
 
 logger = logging.getLogger(__name__)
 
@@ -273,20 +274,14 @@ class EngineClient:
     async def _output_loop(self, proc, input_socket, output_socket) -> None:
         """Dispatch one engine's outputs until it dies (or the client shuts down)."""
         while True:
-            try:
-                if not await output_socket.poll(500):
-                    if not proc.is_alive():
-                        await self._on_engine_dead(proc, input_socket, output_socket,
-                                                   f"the engine process "
-                                                   f"{exit_message(proc.exitcode)}")
-                        return
-                    continue
-                message = self._decoder.decode(await output_socket.recv())
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a corrupt frame must not kill the front
-                logger.exception("bad message from engine: %s", e)
+            if not await output_socket.poll(500):
+                if not proc.is_alive():
+                    await self._on_engine_dead(proc, input_socket, output_socket,
+                                               f"the engine process "
+                                               f"{exit_message(proc.exitcode)}")
+                    return
                 continue
+            message = await receive_message(output_socket, self._decoder.decode, "engine")
             if isinstance(message, EngineOutputs):
                 self._dispatch(message)
             elif isinstance(message, EngineDead):

@@ -1,9 +1,13 @@
-"""Draining a ZMQ input socket between engine steps (engine process and cluster workers)."""
+"""Draining a ZMQ input socket between engine steps (engine process and cluster workers), and
+the front's receive of one message from its engine or workers."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import zmq
+
+logger = logging.getLogger(__name__)
 
 
 def drain_messages(socket: zmq.Socket, decode: Callable[[bytes], object], timeout_ms: int,
@@ -19,3 +23,13 @@ def drain_messages(socket: zmq.Socket, decode: Callable[[bytes], object], timeou
             return True
         if not handle(decode(frame)):
             return False
+
+
+async def receive_message(socket, decode: Callable[[bytes], object], source: str) -> object | None:
+    """The next message on an asyncio socket; None (logged) for a frame that does not decode:
+    one corrupt frame must not kill the front's output loop."""
+    try:
+        return decode(await socket.recv())
+    except Exception as exc:  # CancelledError is not an Exception: cancellation still works
+        logger.exception("bad message from %s: %s", source, exc)
+        return None

@@ -1,6 +1,7 @@
 """A real `deepinfer serve` process on 127.0.0.1 for integration tests, and /metrics helpers."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -89,6 +90,19 @@ class ServeProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None):
+    """A ready `ServeProcess(*args)` for a fixture to yield; stopped with Ctrl-C at the end,
+    which must exit cleanly."""
+    server = ServeProcess(*args, env=env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, f"server did not stop cleanly ({code})"
 
 
 def scrape_metrics(url: str) -> dict[str, float]:

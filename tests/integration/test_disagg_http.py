@@ -16,7 +16,7 @@ import pytest
 
 from deepinfer.sampling_params import SamplingParams
 from tests.integration.engine_checks import token_prompts
-from tests.integration.serve_process import (OfflineReference, ServeProcess, metric,
+from tests.integration.serve_process import (OfflineReference, metric, running_server,
                                              scrape_metrics)
 from tests.integration.test_step_faults import PROMPT_A, _failures, _stream
 
@@ -34,14 +34,10 @@ FAULT_ENV = {"DEEPINFER_DEBUG_STEP_FAULT_SEED":
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     store = tmp_path_factory.mktemp("kvstore")
-    proc = ServeProcess("--dtype", "float32", "--threads", "1", "--num-kv-blocks", "256",
+    with running_server("--dtype", "float32", "--threads", "1", "--num-kv-blocks", "256",
                         "--prefill-workers", "1", "--decode-workers", "1",
-                        "--kv-store", f"fs://{store}", env=FAULT_ENV)
-    try:
-        proc.wait_ready()
+                        "--kv-store", f"fs://{store}", env=FAULT_ENV) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0, "server did not stop cleanly"
 
 
 def test_p1_d1_greedy_equals_colocated_engine(server, engine_base_llm):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.integration.llava_checkpoints import hf_greedy, hf_llava, synthetic_image
-from tests.integration.serve_process import ServeProcess
+from tests.integration.serve_process import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +53,9 @@ def bad_image_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def llava_server(llava_checkpoints):
-    server = ServeProcess("--model", llava_checkpoints["siglip"], "--dtype", "float32", "--threads", "1",
-                          "--kv-cache-memory", "16MiB", *MEDIA_ARGS)
-    try:
-        server.wait_ready()
+    with running_server("--model", llava_checkpoints["siglip"], "--dtype", "float32",
+                        "--threads", "1", "--kv-cache-memory", "16MiB", *MEDIA_ARGS) as server:
         yield server
-    finally:
-        code = server.stop()
-    assert code == 0, f"server did not stop cleanly ({code})"
 
 
 @pytest.fixture(scope="module")

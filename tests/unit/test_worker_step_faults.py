@@ -30,3 +30,33 @@ def test_a_failed_step_is_a_request_failure_not_a_bad_request():
     refused = RequestError("r", "the prompt is empty")
     assert isinstance(_worker_error(refused, 0), ValueError)
     assert isinstance(_worker_error(refused, 1), EngineDeadError)
+
+
+def test_a_corrupt_frame_is_skipped_and_the_next_message_read():
+    """The front's output loops (engine client, P/D cluster, encode stage) share this receive:
+    a frame that does not decode is logged and skipped, the loop reads on."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from deepinfer.server.messages import EngineDead, make_encoder, make_engine_decoder
+    from deepinfer.server.zmq_inbox import receive_message
+
+    async def exchange():
+        ctx = zmq.asyncio.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind("inproc://receive-test")
+        push.connect("inproc://receive-test")
+        decode = make_engine_decoder().decode
+        try:
+            await push.send(b"\xc1 not msgpack")
+            await push.send(make_encoder().encode(EngineDead("boom")))
+            return [await receive_message(pull, decode, "test") for _ in range(2)]
+        finally:
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+
+    bad, good = asyncio.run(exchange())
+    assert bad is None and good == EngineDead("boom")
