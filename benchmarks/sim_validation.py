@@ -102,7 +102,8 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
         cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         return {"summary": summary, "hit_rate": run.prefix_cache_hit_rate,
                 "load_before": load_before, "load_after": os.getloadavg()[0],
-                "cpu_s": cpu, "cluster_counters": cluster_counters(port)}
+                "cpu_s": cpu, "cluster_counters": cluster_counters(port),
+                "first_error": next((r.error for r in run.results if not r.success), None)}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -274,10 +275,16 @@ def main() -> None:
                     sim_cluster(profile, pools, "at-start"), workload).summary()),
                 "measured_summary_obj": real["summary"],
                 "measured_failed": real["summary"].num_failed,
+                "measured_first_error": real["first_error"],
                 "simulated_failed": sim.num_failed}
             for metric_name, row in rows.items():
                 print(f"  {metric_name:<22} measured {row['measured']:10.2f}  simulated "
                       f"{row['simulated']:10.2f}  error {100 * row['error']:+6.1f}%", flush=True)
+            failed = real["summary"].num_failed
+            if failed:
+                print(f"  measured: {failed} of {real['summary'].num_requests} requests failed "
+                      f"({real['first_error']}); the errors above compare unequal runs",
+                      flush=True)
             print("  with at-start host sharing: " + ", ".join(
                 f"{k} {100 * r['error']:+.1f}%" for k, r in
                 report["cases"][name]["errors_at_start_sharing"].items()), flush=True)

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         model.metadata["host_overhead"] = measure_host_overhead(
             engine, after_step=_serving_loop_work(engine))
         model.metadata["kv_transport"] = _measure_transport(engine)
+        model.metadata["store_publish"] = _measure_publish(engine)
     with open(args.out, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
     err = model.holdout_error
@@ -93,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if host:
         print(f"engine loop outside the model step: {host['per_step_s'] * 1e3:.2f} ms per step "
               f"+ {host['per_request_s'] * 1e3:.3f} ms per request")
+    publish = model.metadata.get("store_publish")
+    if publish:
+        print(f"publishing KV to an fs store: {publish['s_per_byte'] * 1e9:.3f} CPU-s per GB")
     link = model.metadata.get("kv_transport")
     if link:
         print(f"KV transport (stage copy + pull + write): {link['latency_ms']:.2f} ms + "
@@ -123,3 +127,33 @@ def _measure_transport(engine) -> dict | None:
     except (RuntimeError, OSError) as e:  # no loopback TCP: the simulator falls back
         print(f"KV transport not measured: {e}", file=sys.stderr)
         return None
+
+
+def _measure_publish(engine) -> dict:
+    """What a prefill worker does per computed block with an fs shared store
+    (`SharedPrefixTier.publish` + its writer thread), into a temporary folder."""
+    import secrets
+    import shutil
+    import tempfile
+
+    from deepinfer.cluster.prefix_store_tier import block_axis_of, layout_for_cache
+    from deepinfer.kvstore import KVStoreWriter
+    from deepinfer.kvstore.factory import open_store
+    from deepinfer.kvstore.tensor_codec import kv_block_to_bytes
+    from deepinfer.runtime.profiler import measure_store_publish
+
+    root = tempfile.mkdtemp(prefix="deepinfer-profile-store-")
+    layout, axis = layout_for_cache(engine.cache), block_axis_of(engine.cache)
+    store = open_store(f"fs://{root}", secrets.token_bytes(16), layout=layout.descriptor)
+    writer = KVStoreWriter(store)
+
+    def publish(kv) -> None:
+        for i in range(kv.shape[axis]):
+            writer.submit(secrets.token_bytes(16), kv_block_to_bytes(kv.narrow(axis, i, 1),
+                                                                     layout))
+    try:
+        return measure_store_publish(engine, publish, lambda: writer.flush(60))
+    finally:
+        writer.close()
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -319,3 +319,25 @@ def measure_kv_transport(engine, make_transport: Callable[[bool], object], *,
     return {"latency_ms": latency * 1e3,
             "bandwidth_gb_s": (1.0 / s_per_byte / 1e9) if s_per_byte else float("inf"),
             "samples": [[n, s] for n, s in points]}
+
+
+def measure_store_publish(engine, publish: Callable[[object], None], flush: Callable[[], None],
+                          *, num_tokens: int = 768, num_repeats: int = 3) -> dict:
+    """CPU seconds per KV byte a prefill worker spends publishing computed blocks to the shared
+    store: `publish(kv)` (the worker's copy out of the cache, encoding, queueing) then
+    `flush()` (the writer thread's checksums and writes), for one prompt of `num_tokens`.
+    Process CPU time (all threads), not wall: it is CPU the worker takes from the host's
+    cores, and it is what on a shared box is least disturbed by other processes."""
+    cache = engine.cache
+    block_size = engine.config.block_size
+    num_blocks = min(-(-num_tokens // block_size), cache.num_blocks)
+    block_ids = list(range(num_blocks))
+    num_bytes = num_blocks * cache.spec.bytes_per_block
+    times = []
+    for _ in range(num_repeats):
+        start = time.process_time()
+        publish(cache.read_blocks(block_ids))
+        flush()
+        times.append(time.process_time() - start)
+    cpu_s = statistics.median(times)
+    return {"s_per_byte": cpu_s / num_bytes, "num_bytes": num_bytes, "cpu_s": cpu_s}

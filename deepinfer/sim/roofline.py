@@ -63,6 +63,7 @@ class RooflineStepTime:
         self.accel = accel
         self.config = config or RooflineConfig()
         self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.publish_s_per_byte = 0.0  # store writes overlap on accelerators (DMA, not cores)
 
     @property
     def ep_size(self) -> int:

@@ -8,7 +8,8 @@ takes, then applies a `StepResult` with one sampled token per finished chunk.
 
 Life of a request, as in `cluster/`: arrival → prefill router → prefill worker (shared store
 blocks loaded into its device cache before queuing; blocking, at store bandwidth) → first
-token → KV staged, prompt blocks written through to the store (background) → decode router →
+token → KV staged, prompt blocks written through to the store (background; the worker's CPU
+for publishing them, as measured, is added to its next step) → decode router →
 decode worker allocates (FIFO while full) → KV transfer (latency + bytes / bandwidth, one at a
 time per destination) → running decode until `output_len` tokens. Colocated: arrival →
 router (when there are several instances) → one scheduler does everything.
@@ -267,6 +268,14 @@ class ClusterSimulator:
             num_bytes = record.prompt_len * worker.step_model.kv_bytes_per_token
             self._at(self.now + self.cluster.prefix_store.link.seconds(num_bytes),
                      self.store.put_many, list(record.block_hashes))
+            # The worker's own CPU for publishing the blocks it computed (copy out, encode,
+            # checksum and write; measured by `deepinfer profile`): blocks it found cached
+            # were published or read before and are not written again.
+            bs = worker.scheduler.kv.block_size
+            num_blocks = max(0, record.prompt_len // bs - (record.num_cached_tokens or 0) // bs)
+            step_model = worker.step_model
+            worker.stall_s += (num_blocks * bs * step_model.kv_bytes_per_token
+                               * step_model.publish_s_per_byte)
         routing = RoutingRequest(request_id=request_id, num_prompt_tokens=record.prompt_len,
                                  expected_output_tokens=record.output_len)
         loads = [w.last_load for w in self.pools["decode"]]

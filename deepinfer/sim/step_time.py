@@ -22,6 +22,7 @@ from deepinfer.core.model_shape import ModelShape
 
 class StepTimeModel(Protocol):
     kv_bytes_per_token: int
+    publish_s_per_byte: float  # prefill work per KV byte written to the store (0: none)
 
     def step_time_s(self, chunks: Sequence[ChunkShape]) -> float: ...
 
@@ -60,6 +61,9 @@ class ProfileStepTime:
         self.time_scale = time_scale
         self.host = host if host is not None else HostOverhead.from_metadata(cost_model.metadata)
         self.kv_bytes_per_token = cost_model.shape.kv_bytes_per_token
+        # CPU seconds per KV byte a prefill worker spends publishing blocks to the store.
+        publish = cost_model.metadata.get("store_publish") or {}
+        self.publish_s_per_byte = float(publish.get("s_per_byte", 0.0))
 
     def step_time_s(self, chunks: Sequence[ChunkShape]) -> float:
         if not chunks:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from deepinfer.cluster.kv_transport import ZmqKVTransport
-from deepinfer.runtime.profiler import _fit_line, measure_host_overhead, measure_kv_transport
+from deepinfer.runtime.profiler import (_fit_line, measure_host_overhead, measure_kv_transport,
+                                        measure_store_publish)
 
 PER_STEP_S, PER_REQUEST_S, MODEL_S = 0.004, 0.0003, 0.05
 
@@ -91,3 +92,14 @@ def test_kv_transport_moves_staged_blocks_over_the_real_transport():
     assert engine.cache.written == [4, 4, 32, 32]
     assert [n for n, _ in link["samples"]] == [4 * 1024, 32 * 1024]  # bytes per size
     assert link["bandwidth_gb_s"] > 0 and link["latency_ms"] >= 0
+
+
+def test_store_publish_is_cpu_seconds_per_byte_of_the_prompts_blocks():
+    engine = SimpleNamespace(cache=FakeCache(), config=SimpleNamespace(block_size=16))
+    seen, flushed = [], []
+    publish = measure_store_publish(engine, lambda kv: seen.append(kv.shape[1]),
+                                    lambda: flushed.append(True), num_tokens=100,
+                                    num_repeats=3)
+    assert seen == [7, 7, 7] and len(flushed) == 3  # ceil(100 / 16) blocks, every repeat
+    assert publish["num_bytes"] == 7 * 1024
+    assert publish["s_per_byte"] == pytest.approx(publish["cpu_s"] / (7 * 1024))

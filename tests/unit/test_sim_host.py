@@ -100,3 +100,30 @@ def test_enough_cores_means_no_slowdown():
     assert a.token_times_s[0] == pytest.approx(t)
     assert b.token_times_s[0] == pytest.approx(t)
     assert sum(w.busy_time_s for w in sim.workers.values()) == pytest.approx(2 * t)
+
+
+def _pd_one_each(profile: str):
+    return ClusterSimulator(cluster_from_dict({
+        "cost": {"profile": profile},
+        "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 256},
+        "pools": {"prefill": {"workers": 1}, "decode": {"workers": 1}},
+        "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}}))
+
+
+def test_prefill_worker_pays_its_measured_store_publish_cpu(tmp_path):
+    """Two 256-token prompts on one prefill worker, one step each: the second waits for the
+    first's step plus the CPU its worker spends publishing the first's 16 computed blocks."""
+    with open(PROFILE) as f:
+        data = json.load(f)
+    data["metadata"]["store_publish"] = {"s_per_byte": 2e-9}
+    published = tmp_path / "publish.json"
+    published.write_text(json.dumps(data))
+    requests = [BenchRequest(list(range(1000, 1256)), 4, 0.0),
+                BenchRequest(list(range(2000, 2256)), 4, 0.0)]
+    base = _pd_one_each(PROFILE).run(requests)
+    sim = _pd_one_each(str(published))
+    kv_bytes = sim.workers["prefill-0"].step_model.kv_bytes_per_token
+    runs = sim.run(requests)
+    assert runs[0].token_times_s[0] == pytest.approx(base[0].token_times_s[0])
+    assert runs[1].token_times_s[0] - base[1].token_times_s[0] == pytest.approx(
+        256 * kv_bytes * 2e-9)
