@@ -1,6 +1,7 @@
 """Runs one SchedulerOutput through the model: batch tensors, paged attention, sampling."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
 from deepinfer.runtime.cpu_decode_kernel import load_decode_kernel
 from deepinfer.runtime.cpu_prefill_kernel import load_prefill_kernel
+from deepinfer.runtime.input_batch import PersistentInputBatch
 from deepinfer.runtime.kv_cache import PagedKVCache
 from deepinfer.runtime.paged_attention import (AttentionMetadata, DecodeMetadata, PagedAttention,
                                                PrefillChunkMetadata)
@@ -36,6 +38,10 @@ class ModelRunner:
         # shapes it does not take); None on other devices and dtypes.
         self.prefill_kernel = (load_prefill_kernel() if device.type == "cpu"
                                and cache.spec.dtype == torch.bfloat16 else None)
+        # Block-table rows kept across steps (runtime/input_batch.py); `_prepare` is the plain
+        # build every step (the reference; DEEPINFER_PERSISTENT_BATCH=0 uses it in execute).
+        self.input_batch = (PersistentInputBatch(self.block_size, device)
+                            if os.environ.get("DEEPINFER_PERSISTENT_BATCH", "1") != "0" else None)
         # Expert parallelism: a step that schedules nothing must still join the group's
         # MoE collectives (deepinfer.moe.expert_parallel.ExpertParallelRuntime.run_empty_step).
         self.empty_step_hook = None
@@ -55,7 +61,7 @@ class ModelRunner:
         # Decodes (one new token, or a short chunk: see _as_decode) first, then prefill chunks:
         # see paged_attention's layout.
         ordered = sorted(output.scheduled, key=lambda r: not self._as_decode(r))
-        input_ids, positions, meta, sample_idx, sample_reqs = self._prepare(ordered)
+        input_ids, positions, meta, sample_idx, sample_reqs = self.prepare_step(output, ordered)
         attn = self._attention_backend(meta)
         embeds = self.mm_embeds.input_embeds(self.model, ordered, input_ids) if self.mm_embeds is not None else None
         if embeds is None:
@@ -94,6 +100,15 @@ class ModelRunner:
     def _as_decode(self, r: ScheduledRequest) -> bool:
         return r.num_new_tokens == 1 or (self.decode_kernel is not None
                                          and r.num_new_tokens <= SHORT_CHUNK_TOKENS)
+
+    def prepare_step(self, output: SchedulerOutput, ordered: list[ScheduledRequest]):
+        """`_prepare(ordered)`, from the persistent rows when there are any."""
+        if self.input_batch is None:
+            return self._prepare(ordered)
+        self.input_batch.forget(output.finished_request_ids)
+        self.input_batch.forget(output.preempted_request_ids)
+        return self.input_batch.prepare(ordered, self._as_decode, self._prefill_meta,
+                                        need_mask=self.decode_kernel is None)
 
     def _prepare(self, ordered: list[ScheduledRequest]):
         bs = self.block_size
