@@ -149,6 +149,11 @@ def test_rank_killed_under_load_no_hang_group_restarts(deepseek):
     for (status, value), ref in zip(results, want * 2):
         if status == "ok":
             assert value == ref  # unaffected requests (decoded before, or retried) are exact
+        else:  # a clear error: the group's loss (naming the killed rank), or no group left
+            killed = victim["worker_id"]
+            assert (f"decode group 0 lost: {killed}" in value
+                    or f"decode worker {killed} was lost" in value
+                    or "no decode worker available" in value), value
     assert any(status == "error" for status, _ in results), "the kill interrupted nothing"
     # The group went out as a whole and comes back as a whole (new processes).
     wait_until(lambda: [w["state"] for w in decode_workers(server.url)] == ["alive"] * RANKS,
