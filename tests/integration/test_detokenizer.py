@@ -86,3 +86,32 @@ def test_stop_token_text_is_left_out(tokenizer):
         detok.add_tokens(ids[:-1])
         detok.add_tokens(ids[-1:], final=True, stop_token=True)
         assert detok.text == want
+
+
+def test_direct_window_decode_equals_tokenizer_decode(tokenizer):
+    """The detokenizer decodes windows with the backend tokenizer directly (issue 12): the text
+    must equal the tokenizer's own decode, special tokens and split characters included."""
+    import random
+
+    from deepinfer.engine.detokenizer import window_decoder
+    decode = window_decoder(tokenizer)
+    assert decode.__code__ is not window_decoder(object()).__code__  # the direct path is taken here
+    rng = random.Random(0)
+    ids = [i for t in TEXTS for i in tokenizer.encode(t, add_special_tokens=False)]
+    special = list(tokenizer.all_special_ids)
+    windows = [ids[i:i + n] for i in range(len(ids)) for n in (1, 2, 3, 7)]
+    windows += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 9))] + [s]
+                for s in special for _ in range(5)]
+    for window in windows:
+        for skip in (True, False):
+            assert decode(window, skip) == tokenizer.decode(window, skip_special_tokens=skip), window
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_with_direct_decode_equals_plain_decode(tokenizer, text, monkeypatch):
+    import deepinfer.engine.detokenizer as detok_module
+    ids = tokenizer.encode(text + " the end", add_special_tokens=False) + [tokenizer.eos_token_id]
+    fast = feed(tokenizer, ids, skip_special_tokens=False)
+    monkeypatch.setattr(detok_module, "window_decoder", lambda tok: (
+        lambda w, skip_special_tokens: tok.decode(w, skip_special_tokens=skip_special_tokens)))
+    assert feed(tokenizer, ids, skip_special_tokens=False) == fast
