@@ -56,7 +56,8 @@ METRICS = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("output_throughput", None))
 
 def measure_profile(path: str, grid: str) -> None:
     subprocess.run(DEEPINFER + ["profile", "--grid", grid, "--threads", "1",
-                                "--kv-cache-memory", "512MiB", "--out", path], check=True)
+                                "--kv-cache-memory", "512MiB", "--host-sharing", "4",
+                                "--out", path], check=True)
 
 
 def free_port() -> int:
@@ -183,6 +184,15 @@ def sim_cluster(profile: str, pools: dict, sharing: str = "fair") -> object:
         "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
 
 
+def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
+    """Errors with the host-sharing speeds the profile measured (None if it has none)."""
+    try:
+        cluster = sim_cluster(profile, pools, "measured")
+        return compare(measured, simulate_workload(cluster, workload).summary())
+    except ValueError:
+        return None
+
+
 def sim_busy(sim_run) -> dict[str, float]:
     """Simulated seconds each worker spent in steps (incl. host overhead and contention)."""
     return {w.worker_id: w.busy_time_s for w in sim_run.simulator.workers.values()}
@@ -273,6 +283,8 @@ def main() -> None:
                 "simulated_busy_s": sim_busy(sim_run),
                 "errors_at_start_sharing": compare(real["summary"], simulate_workload(
                     sim_cluster(profile, pools, "at-start"), workload).summary()),
+                "errors_measured_sharing": measured_sharing_errors(real["summary"], profile,
+                                                                   pools, workload),
                 "measured_summary_obj": real["summary"],
                 "measured_failed": real["summary"].num_failed,
                 "measured_first_error": real["first_error"],
@@ -288,6 +300,10 @@ def main() -> None:
             print("  with at-start host sharing: " + ", ".join(
                 f"{k} {100 * r['error']:+.1f}%" for k, r in
                 report["cases"][name]["errors_at_start_sharing"].items()), flush=True)
+            if report["cases"][name]["errors_measured_sharing"]:
+                print("  with measured host sharing: " + ", ".join(
+                    f"{k} {100 * r['error']:+.1f}%" for k, r in
+                    report["cases"][name]["errors_measured_sharing"].items()), flush=True)
             print("  measured CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                    sorted(real["cpu_s"].items())) +
                   f" (duration {real['summary'].duration_s:.1f} s)", flush=True)

@@ -27,6 +27,9 @@ def register(sub) -> None:
     p.add_argument("--no-host", dest="host", action="store_false",
                    help="skip the host measurements (engine-loop overhead per step, KV "
                         "transport) that the simulator adds to step times and transfers")
+    p.add_argument("--host-sharing", type=int, default=0, metavar="N",
+                   help="also measure how fast 1..N single-thread processes run at once on "
+                        "this host (the simulator's host.sharing: measured); 0: skip")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(func=run)
 
@@ -36,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats is not None and args.repeats < 1:
         raise CLIError("--repeats must be at least 1")
+    if args.host_sharing < 0:
+        raise CLIError("--host-sharing must be >= 0")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"output folder does not exist: {out_dir}")
@@ -74,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
             engine, after_step=_serving_loop_work(engine))
         model.metadata["kv_transport"] = _measure_transport(engine)
         model.metadata["store_publish"] = _measure_publish(engine)
+    if args.host_sharing > 0:
+        from deepinfer.runtime.profiler import measure_host_sharing
+        model.metadata["host_sharing"] = measure_host_sharing(args.host_sharing)
     with open(args.out, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
     err = model.holdout_error
@@ -97,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     publish = model.metadata.get("store_publish")
     if publish:
         print(f"publishing KV to an fs store: {publish['s_per_byte'] * 1e9:.3f} CPU-s per GB")
+    sharing = model.metadata.get("host_sharing")
+    if sharing:
+        print("speed of k single-thread processes at once: " + ", ".join(
+            f"k={k} {v:.2f}" for k, v in enumerate(sharing["speed"], 1)))
     link = model.metadata.get("kv_transport")
     if link:
         print(f"KV transport (stage copy + pull + write): {link['latency_ms']:.2f} ms + "

@@ -341,3 +341,43 @@ def measure_store_publish(engine, publish: Callable[[object], None], flush: Call
         times.append(time.process_time() - start)
     cpu_s = statistics.median(times)
     return {"s_per_byte": cpu_s / num_bytes, "num_bytes": num_bytes, "cpu_s": cpu_s}
+
+
+def _sharing_child(start, results, duration_s: float, size: int) -> None:
+    """One single-thread process doing matmuls for `duration_s` once all are at `start`."""
+    torch.set_num_threads(1)
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start.wait()
+    end = time.perf_counter() + duration_s
+    n = 0
+    while time.perf_counter() < end:
+        a @ b
+        n += 1
+    results.put(n / duration_s)
+
+
+def measure_host_sharing(max_procs: int = 4, duration_s: float = 1.5, size: int = 512) -> dict:
+    """How fast each of k single-thread processes runs while k run at once on this host,
+    relative to one alone (k = 1..max_procs): the speed table the simulator uses for workers
+    that share the host's cores (`host: {sharing: measured}`). Captures what cores / k does
+    not: SMT siblings, shared caches and memory bandwidth, frequency."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rates = []
+    for k in range(1, max_procs + 1):
+        start, results = ctx.Barrier(k + 1), ctx.Queue()  # k children + this process
+        procs = [ctx.Process(target=_sharing_child, args=(start, results, duration_s, size),
+                             daemon=True) for _ in range(k)]
+        for p in procs:
+            p.start()
+        start.wait(timeout=120.0)  # every child imported torch and warmed up: go together
+        per_proc = [results.get(timeout=120.0) for _ in procs]
+        for p in procs:
+            p.join(10.0)
+        rates.append(statistics.mean(per_proc))
+    return {"speed": [r / rates[0] for r in rates], "max_procs": max_procs,
+            "duration_s": duration_s}

@@ -13,7 +13,7 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
     prefix_store: {capacity_blocks: 200000, bandwidth_gb_s: 2.0, latency_ms: 0.5}  # or none
     kv_transfer:  {bandwidth_gb_s: 1.0, latency_ms: 1.0}
     host:         {cores: 2}   # workers share these CPU cores (omit for one device each);
-                               # sharing: fair (default) | at-start (see simulator.py)
+                               # sharing: fair (default) | at-start | measured (simulator.py)
 
 Every key is checked; unknown ones raise ValueError (a typo must not be silently ignored).
 """
@@ -29,7 +29,7 @@ from deepinfer.routing.policy_names import check_router_names
 from deepinfer.sim.roofline import RooflineConfig
 
 POOL_ROLES = ("colocated", "prefill", "decode")
-HOST_SHARING = ("fair", "at-start")
+HOST_SHARING = ("fair", "at-start", "measured")
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class ClusterSpec:
     kv_transfer: LinkSpec = field(default_factory=LinkSpec)
     prefix_store: StoreSpec | None = field(default_factory=StoreSpec)
     host_cores: int | None = None
-    host_sharing: str = "fair"  # fair: processor sharing; at-start: speed fixed at step start
+    host_sharing: str = "fair"  # fair | at-start | measured: see sim.simulator
     front_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:

@@ -17,9 +17,12 @@ router (when there are several instances) → one scheduler does everything.
 Host contention: with `host_cores`, busy workers share the cores. `fair` (processor
 sharing): while the busy workers' threads exceed the cores, each step advances at cores /
 busy threads of its full speed, re-evaluated whenever a worker starts or finishes a step (the
-CPU validation runs four single-thread workers on two cores). `at-start`: a step's speed is
-fixed when it starts (cores / threads busy then) and never changes; it favours whichever step
-started first, kept to compare with measurements. A step's work is its step-time model's answer
+CPU validation runs four single-thread workers on two cores). `measured`: the same, at the
+speed `deepinfer profile --host-sharing N` measured for that many busy single-thread
+processes on the host (SMT, caches, memory bandwidth; beyond the table: its last entry ×
+N / threads). `at-start`: a step's speed is fixed when it starts (cores / threads busy then)
+and never changes; it favours whichever step started first, kept to compare with
+measurements. A step's work is its step-time model's answer
 (model time + the engine loop's host work) plus blocking store loads. Time is simulated;
 nothing reads the clock.
 """
@@ -71,8 +74,21 @@ class ClusterSimulator:
         self._link_free_at: dict[str, float] = {}  # per decode worker: inbound KV link
         self.num_transfers = 0
         self.transfer_bytes = 0.0
+        self._speed_table = self._measured_speeds() if cluster.host_sharing == "measured" else None
         for worker in self.workers.values():
             self._publish(worker)
+
+    def _measured_speeds(self) -> list[float]:
+        """The host-sharing speed table of the (first) measured profile."""
+        for worker in self.workers.values():
+            metadata = getattr(getattr(worker.step_model, "cost_model", None), "metadata", {})
+            speeds = (metadata.get("host_sharing") or {}).get("speed")
+            if speeds:
+                if any(not 0 < v <= 1.5 for v in speeds):
+                    raise ValueError(f"host_sharing speeds out of range: {speeds}")
+                return [float(v) for v in speeds]
+        raise ValueError("host.sharing: measured needs a profile measured with "
+                         "`deepinfer profile --host-sharing N`")
 
     # ---- event loop ------------------------------------------------------------------------
     def _at(self, time_s: float, fn: Callable, *args) -> None:
@@ -194,13 +210,21 @@ class ClusterSimulator:
         if cores is None:
             return 1.0
         threads = sum(w.engine.threads for w in self.workers.values() if w.busy)
-        return min(1.0, cores / threads) if threads else 1.0
+        if not threads:
+            return 1.0
+        if self._speed_table is not None:
+            table = self._speed_table
+            if threads <= len(table):
+                return table[threads - 1]
+            return table[-1] * len(table) / threads
+        return min(1.0, cores / threads)
 
     def _reshare(self, changed: SimWorker) -> None:
         """A worker started or finished a step: bring every busy worker's remaining work up to
         now at the old speed, then (re)schedule its finish at the new speed."""
         speed = self._speed()
-        sharing = self.cluster.host_cores is not None and self.cluster.host_sharing == "fair"
+        sharing = (self.cluster.host_cores is not None
+                   and self.cluster.host_sharing in ("fair", "measured"))
         for w in self.workers.values():
             if not w.busy or (w is not changed and not sharing):
                 continue

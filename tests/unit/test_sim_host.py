@@ -127,3 +127,21 @@ def test_prefill_worker_pays_its_measured_store_publish_cpu(tmp_path):
     assert runs[0].token_times_s[0] == pytest.approx(base[0].token_times_s[0])
     assert runs[1].token_times_s[0] - base[1].token_times_s[0] == pytest.approx(
         256 * kv_bytes * 2e-9)
+
+
+def test_measured_sharing_uses_the_profiles_speed_table(tmp_path):
+    """A table that says two processes at once each run at half speed gives the same answer
+    as fair sharing of one core; without a table, measured sharing is an error."""
+    with open(PROFILE) as f:
+        data = json.load(f)
+    data["metadata"]["host_sharing"] = {"speed": [1.0, 0.5]}
+    path = tmp_path / "sharing.json"
+    path.write_text(json.dumps(data))
+    ids = list(range(1000, 1128))
+    sim = _two_workers_one_core(str(path), 2, "measured")
+    t = sim.workers["colocated-0"].step_model.step_time_s([ChunkShape(0, len(ids))])
+    a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, 0.25 * t)])
+    assert a.token_times_s[0] - a.arrival_s == pytest.approx(2 * t - 0.25 * t)
+    assert b.token_times_s[0] - b.arrival_s == pytest.approx(2 * t - 0.25 * t)
+    with pytest.raises(ValueError, match="host-sharing"):
+        _two_workers_one_core(PROFILE, 2, "measured")
