@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
+from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
 from deepinfer.core.cost_model import ChunkShape  # noqa: E402
-from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
+from deepinfer.bench.workloads import build_workload  # noqa: E402
 from deepinfer.sim import cluster_from_dict  # noqa: E402
 from deepinfer.sim.simulator import ClusterSimulator  # noqa: E402
 
@@ -51,22 +51,22 @@ class _Recorder:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", required=True)
-    parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--num-prompts", type=int, default=40)
-    parser.add_argument("--length-scale", type=float, default=0.05)
-    parser.add_argument("--max-input-len", type=int, default=768)
-    parser.add_argument("--max-output-len", type=int, default=48)
-    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="= --workload trace:PATH (bench serve's workload flags apply)")
     parser.add_argument("--max-steps", type=int, default=120, help="batches timed (sampled)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    add_workload_args(parser)
+    # Without a workload: the validation's Mooncake replay (lengths x0.05, <= 768 / <= 48).
+    parser.set_defaults(workload=f"trace:{TRACE}", num_prompts=40, length_scale=0.05,
+                        max_input_len=768, max_output_len=48, time_scale=0.1)
     args = parser.parse_args()
-
-    cfg = WorkloadConfig(kind=f"trace:{args.trace}", num_prompts=args.num_prompts,
-                         time_scale=args.time_scale,
-                         shrink=ShrinkConfig(length_scale=args.length_scale,
-                                             max_input_len=args.max_input_len,
-                                             max_output_len=args.max_output_len))
+    if args.trace is not None:
+        args.workload = f"trace:{args.trace}"
+    try:
+        cfg = workload_config_from_args(args)
+    except ValueError as e:
+        parser.exit(2, f"sim_step_replay: {e}\n")
     workload = build_workload(cfg)
     cluster = cluster_from_dict({"cost": {"profile": args.profile},
                                  "engine": {"num_kv_blocks": 2048},
