@@ -123,6 +123,8 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        streaming = self.engine.stream_outputs
+        self.engine.stream_outputs = False  # only finished outputs are read here
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -131,6 +133,7 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         finally:
+            self.engine.stream_outputs = streaming
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]

@@ -43,6 +43,9 @@ class LLMEngine:
     # only the requests it can be pinned on (or, if none, every request in flight) instead of
     # raising. Off, e.g. for expert-parallel ranks whose steps must stay in lockstep.
     isolate_step_faults = False
+    # False: `step` returns outputs of finished requests only (offline generation reads no
+    # others), saving a snapshot of every running request's output per step.
+    stream_outputs = True
 
     def __init__(self, config: EngineConfig, *, source: ModelSource | None = None,
                  model: torch.nn.Module | None = None, tokenizer=None) -> None:
@@ -390,10 +393,12 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
                 self._release(state)
-            outputs.append(state.to_output())
+            if finished or self.stream_outputs:
+                outputs.append(state.to_output(finished))
         return outputs
 
     def _append_tokens(self, child_id: str, seq, token_ids: list[int], result: StepResult,

@@ -29,11 +29,13 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.output.finished for s in self.sequences.values())
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, finished: bool | None = None) -> RequestOutput:
+        """`finished`: `self.finished` when the caller has it already."""
+        finished = self.finished if finished is None else finished
         outputs = sorted((s.output for s in self.sequences.values()), key=lambda o: o.index)
         # Copies: callers keep cumulative snapshots while the engine keeps appending.
         snapshot = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
                                      o.stop_reason, list(o.logprobs) if o.logprobs is not None
                                      else None, o.cumulative_logprob) for o in outputs]
-        return RequestOutput(self.request_id, self.prompt_token_ids, snapshot, self.finished,
+        return RequestOutput(self.request_id, self.prompt_token_ids, snapshot, finished,
                              self.num_cached_tokens, self.metrics, self.prompt)
