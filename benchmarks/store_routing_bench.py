@@ -243,6 +243,18 @@ def plan_shortfall(requests: list[dict]) -> dict | None:
             "tokens": sum(r["planned_reuse_tokens"] - r["cached_tokens"] for r in short)}
 
 
+def compare_to_affinity(rows: list[dict]) -> None:
+    """Per request, against cache affinity: how many hit less (and by how many tokens)."""
+    base = next((r for r in rows if r["policy"] == "cache-affinity"), None)
+    if base is None:
+        return
+    for row in rows:
+        lost = [b["cached_tokens"] - x["cached_tokens"]
+                for b, x in zip(base["requests"], row["requests"])
+                if (x["cached_tokens"] or 0) < (b["cached_tokens"] or 0)]
+        row["fewer_hits_than_affinity"] = {"num_requests": len(lost), "tokens": sum(lost)}
+
+
 def sim_cluster(num_prefill: int, num_decode: int, policy: str, store_gb_s: float,
                 store_latency_ms: float, store: bool = True):
     return cluster_from_dict({
@@ -314,13 +326,16 @@ def summarize(label: str, results, store_tokens: int, prefill_tokens: dict[str, 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'policy':24} {'TTFT p50':>9} {'TTFT p99':>9} {'hit %':>6} {'device':>7} "
-          f"{'store':>7} {'max/mean':>8} {'short of plan':>14}")
+          f"{'store':>7} {'max/mean':>8} {'short of plan':>14} {'< affinity':>11}")
     for r in rows:
         short = r.get("plan_shortfall")
         short = f"{short['num_requests']} / {short['tokens']}" if short else "-"
+        worse = r.get("fewer_hits_than_affinity")
+        worse = f"{worse['num_requests']} / {worse['tokens']}" if worse else "-"
         print(f"{r['policy']:24} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} "
               f"{100 * r['hit_rate']:6.1f} {r['device_hit_tokens']:7d} "
-              f"{r['store_hit_tokens']:7d} {r['prefill_max_over_mean']:8.2f} {short:>14}")
+              f"{r['store_hit_tokens']:7d} {r['prefill_max_over_mean']:8.2f} {short:>14} "
+              f"{worse:>11}")
 
 
 # --- the real cluster -------------------------------------------------------------------------
@@ -441,6 +456,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2,
                    help="real: runs per policy, alternating the order (A B, B A, ...)")
+    p.add_argument("--per-request", action="store_true",
+                   help="sim: keep the per-request log in the JSON (real runs always do)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
 
@@ -478,6 +495,10 @@ def main() -> None:
                      for label in labels]
         else:
             rows = [run_sim(label, requests, args) for label in labels]
+            compare_to_affinity(rows)
+            if not args.per_request:
+                for row in rows:
+                    del row["requests"]  # 400 rows per policy: only on request
         out["runs"][name] = rows
         print_table(f"{name}: {len(requests)} requests, {args.prefill}P/{args.decode}D "
                     f"({args.mode})", rows)

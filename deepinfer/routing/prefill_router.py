@@ -89,7 +89,11 @@ class LeastComputePrefillRouter(PrefillRouter):
     is kept as a `PrefixPlan` for the front (`take_prefix_plan`). A plan that loads stored
     blocks also asks the worker to wait a little for them (at most what recomputing them
     costs, and `await_slack_s`): the router marks a prefix stored when its prefill is done,
-    and the last chunk's store write may still be landing. Counting the own cost twice
+    and the last chunk's store write may still be landing. With `reuse_in_flight` (default)
+    options that would compute again part of a prefix being computed now rank last: the
+    request waits for it (any worker, loading it once published) or queues behind it on the
+    worker computing it, even where recomputing would finish sooner (on a loaded machine the
+    duplicate compute delays everything queued after it). Counting the own cost twice
     is what keeps an idle worker from recomputing a prefix that another finishes about as
     soon. Ties go to less own compute, then to the worker holding fewer requests, then to the
     one routed to least recently (idle workers share the work instead of the first taking it).
@@ -105,8 +109,10 @@ class LeastComputePrefillRouter(PrefillRouter):
     CALIBRATION_TOKENS = 256  # the prompt size at which the cost model's rate is read
 
     def __init__(self, prefill_cost: PrefillCostFn | None = None, report_lag_s: float = 0.0,
-                 track_prefixes: bool = True, await_slack_s: float = 1.0) -> None:
+                 track_prefixes: bool = True, await_slack_s: float = 1.0,
+                 reuse_in_flight: bool = True) -> None:
         super().__init__(report_lag_s)
+        self.reuse_in_flight = reuse_in_flight  # never recompute a prefix being computed
         self.prefill_cost: PrefillCostFn = prefill_cost or LinearQuadraticPrefillCost()
         self.locator: PrefixLocator | None = PrefixLocator() if track_prefixes else None
         self.await_slack_s = await_slack_s  # how long past its eta a worker awaits a prefix
@@ -152,18 +158,29 @@ class LeastComputePrefillRouter(PrefillRouter):
     def _choose(self, request: RoutingRequest, candidates: list[WorkerLoad], now: float) -> str:
         match = (self.locator.match(request.block_hashes)
                  if self.locator is not None and request.block_hashes else None)
+        flight = self._num_in_flight_blocks(request, match, candidates)
         best: tuple | None = None
         for ld in candidates:
             num_reqs = ld.num_active_reqs + self.reserved(ld.worker_id).num_reqs
             last = self._last_routed.get(ld.worker_id, -1)
             for plan in self._options(request, ld, match, now):
-                key = (plan.finish_s + plan.own_cost_s, plan.own_cost_s, num_reqs, last,
-                       ld.worker_id)
+                recomputed = max(0, flight - plan.num_local_blocks - plan.num_load_blocks)
+                key = (recomputed, plan.finish_s + plan.own_cost_s, plan.own_cost_s, num_reqs,
+                       last, ld.worker_id)
                 if best is None or key < best[0]:
                     best = (key, plan)
         plan = best[1]
         self._choice = (request.request_id, plan.worker_id, plan)
         return plan.worker_id
+
+    def _num_in_flight_blocks(self, request: RoutingRequest, match: PrefixMatch | None,
+                              candidates: list[WorkerLoad]) -> int:
+        """The longest leading run of the request's blocks being computed now (0: none, or
+        `reuse_in_flight` off): options that would compute part of it again rank last."""
+        if not self.reuse_in_flight or match is None or not match.in_flight:
+            return 0
+        usable = (request.num_prompt_tokens - 1) // candidates[0].block_size
+        return max(min(f.num_blocks, usable) for f in match.in_flight)
 
     def _options(self, request: RoutingRequest, ld: WorkerLoad, match: PrefixMatch | None,
                  now: float) -> list[PrefixPlan]:

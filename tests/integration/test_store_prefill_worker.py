@@ -216,3 +216,24 @@ def test_a_hung_store_read_is_not_waited_for_and_the_next_prompt_skips_the_store
     assert c.store_loads_skipped == STORE_PROBE_EVERY - 1 and not b._jobs
     b._start_prefetch(PrefillRequest("probe", prompt(99, 40), PARAMS, 0.0))
     assert "probe" in b._jobs and c.store_loads_skipped == STORE_PROBE_EVERY - 1
+
+
+def test_awaited_blocks_count_as_awaited_only_when_the_worker_waited_for_them(workers):
+    # The router asks a worker to await blocks another is computing, and (briefly) blocks
+    # just published. `store_await_tokens` counts those that arrived after a wait only.
+    make, new_store = workers
+    store = new_store()
+    a, b, c = make(store, "prefill-a"), make(store, "prefill-b"), make(store, "prefill-c")
+    head = prompt(3, 2 * BS + 3)  # 2 full blocks, computed on `a` after `b` starts waiting
+    follow = head[:2 * BS] + prompt(4, 10)
+    wait = {"num_await_blocks": 2, "await_timeout_s": DEADLINE_S}
+    b.handle(PrefillRequest("waits", follow, PARAMS, 0.0, **wait))
+    b.before_step()
+    assert "waits" not in b.engine.scheduler.requests  # held while its read awaits them
+    a.handle(PrefillRequest("head", head, PARAMS, 0.0))
+    run_until_done(a, "head")
+    first = run_until_done(b, "waits")
+    assert b.counters.store_hit_tokens == 2 * BS and b.counters.store_await_tokens == 2 * BS
+    c.handle(PrefillRequest("finds", follow, PARAMS, 0.0, **wait))  # published already
+    assert run_until_done(c, "finds") == first
+    assert c.counters.store_hit_tokens == 2 * BS and c.counters.store_await_tokens == 0

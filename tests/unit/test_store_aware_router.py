@@ -202,3 +202,21 @@ def test_a_planned_store_load_waits_briefly_for_a_just_published_prefix():
                        store_load_s_per_token=1.0), load("p1", 0.2, store_rate=1.0)]
     router.route(request("c", 3), slow, 0.2)
     assert router.take_prefix_plan("c") is None
+
+
+def test_a_prefix_in_flight_is_never_computed_a_second_time_even_when_waiting_is_slower():
+    # a's system prompt is being computed on p0 behind a 5 s queue. b shares it; p1 is idle,
+    # and recomputing the prefix there would finish b sooner. b still waits for it (on p1,
+    # loading it from the store once published), as the issue asks; only with
+    # reuse_in_flight=False does the router trade the duplicate compute for b's latency.
+    for reuse, awaited in ((True, True), (False, False)):
+        router = build_prefill_router("least-compute", reuse_in_flight=reuse)
+        slow_p0 = WorkerLoad("p0", "prefill", 0.0, predicted_queue_time_s=5.0)
+        assert router.route(request("a", 1), [slow_p0], 0.0) == "p0"
+        worker = router.route(request("b", 2), [slow_p0, load("p1")], 0.0)
+        plan = router.last_plan
+        assert (plan.num_local_blocks + plan.num_load_blocks == 32) is awaited
+        if awaited and worker == "p1":
+            assert router.take_prefix_plan("b").await_worker == "p0"
+        if not awaited:
+            assert worker == "p1" and router.take_prefix_plan("b") is None
