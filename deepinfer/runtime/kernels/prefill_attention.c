@@ -47,13 +47,12 @@ int prefill_attention_available(void) {
 static const uint16_t zero_row[MAX_D] __attribute__((aligned(64)));
 
 /* 2^x for x <= 0 (scores minus their running max): 2^round(x) * 2^f, f in [-0.5, 0.5],
- * degree-6 Taylor (relative error ~2e-7). */
+ * degree-5 Taylor (relative error ~3e-6, far below bf16's 4e-3). */
 static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
@@ -236,22 +235,25 @@ static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const ui
             else if (RV - rv == 1) pv_block(w->O, R, rv, 1, d0, w->p2, w->vp, n8 / 2, D, alpha);
         }
     }
-    /* out = O / l, rounded to bf16 (nearest even) */
-    float inv[MAX_G * 48];
-    for (int rv = 0; rv < RV; rv++)
-        _mm512_storeu_ps(inv + 16 * rv, _mm512_div_ps(_mm512_set1_ps(1.f), l[rv]));
-    for (int g = 0; g < G; g++)
-        for (int t = 0; t < nq; t++) {
-            const int r = g * BQ + t;
-            uint16_t *row = out + (int64_t)(q0 + t) * out_stride + (int64_t)(h * G + g) * D;
-            for (int d = 0; d < D; d++) {
-                const float f = w->O[(int64_t)d * R + r] * inv[r];
-                uint32_t u;
-                memcpy(&u, &f, sizeof u);
-                u += 0x7FFFu + ((u >> 16) & 1u);
-                row[d] = (uint16_t)(u >> 16);
-            }
+    /* out = O / l in bf16 (nearest even): per 16 rows, d pairs packed as the P pairs are, then
+     * copied out row by row (a per-element transposing loop here cost ~12% of a 512 prefill) */
+    uint32_t *tmp = (uint32_t *)w->S; /* D/2 * 16 <= BK * R words */
+    for (int rv = 0; rv < RV; rv++) {
+        const int g = rv / per_g, t0 = (rv % per_g) * 16;
+        const int ntok = nq - t0 < 16 ? nq - t0 : 16;
+        if (ntok <= 0) continue;
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[rv]);
+        for (int dp = 0; dp < D / 2; dp++) {
+            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(w->O + (int64_t)(2 * dp) * R + 16 * rv), inv);
+            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(w->O + (int64_t)(2 * dp + 1) * R + 16 * rv), inv);
+            _mm512_storeu_si512((void *)(tmp + 16 * dp),
+                                _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
         }
+        for (int t = 0; t < ntok; t++) {
+            uint16_t *row = out + (int64_t)(q0 + t0 + t) * out_stride + (int64_t)(h * G + g) * D;
+            for (int dp = 0; dp < D / 2; dp++) memcpy(row + 2 * dp, tmp + 16 * dp + t, 4);
+        }
+    }
     return 0;
 }
 #endif
