@@ -55,6 +55,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         start = time.perf_counter()
         if output.is_empty:
+            self._forget_rows(output)  # an empty step may still report finished requests
             if self.empty_step_hook is not None:
                 self.empty_step_hook()
             return StepResult({}, step_time_s=0.0)
@@ -105,10 +106,14 @@ class ModelRunner:
         """`_prepare(ordered)`, from the persistent rows when there are any."""
         if self.input_batch is None:
             return self._prepare(ordered)
-        self.input_batch.forget(output.finished_request_ids)
-        self.input_batch.forget(output.preempted_request_ids)
+        self._forget_rows(output)
         return self.input_batch.prepare(ordered, self._as_decode, self._prefill_meta,
                                         need_mask=self.decode_kernel is None)
+
+    def _forget_rows(self, output: SchedulerOutput) -> None:
+        if self.input_batch is not None:
+            self.input_batch.forget(output.finished_request_ids)
+            self.input_batch.forget(output.preempted_request_ids)
 
     def _prepare(self, ordered: list[ScheduledRequest]):
         bs = self.block_size

@@ -139,3 +139,13 @@ def test_finished_and_preempted_rows_are_freed():
     runner.prepare_step(SchedulerOutput(steps[:1], 1, preempted_request_ids=["x1"],
                                         finished_request_ids=["x2", "x3"]), steps[:1])
     assert runner.input_batch.num_rows == 2
+
+
+def test_an_empty_step_still_frees_finished_rows():
+    runner = _runner(True)
+    params = SamplingParams(temperature=0.0)
+    from deepinfer.core.scheduler_output import ScheduledRequest
+    s = ScheduledRequest("y", [3], 5, [1, 2], True, params, 1)
+    runner.prepare_step(SchedulerOutput([s], 1), [s])
+    runner.execute(SchedulerOutput([], 0, finished_request_ids=["y"]))
+    assert runner.input_batch.num_rows == 0
