@@ -112,6 +112,7 @@ class DisaggClient:
         self.max_model_len = 0
         self.vocab_size = 0
         self.tokenizer = None
+        self.weights_fingerprint = ""  # the first ready worker's; every other must match
         self.dead_message: str | None = None
         self.prefill_router = build_prefill_router(cluster.prefill_router)
         self.decode_router = build_decode_router(cluster.decode_router)
@@ -192,6 +193,9 @@ class DisaggClient:
 
     async def _on_startup_message(self, message) -> str | None:
         if isinstance(message, WorkerReady):
+            other = self._other_weights(message)
+            if other is not None:
+                raise EngineDeadError(other)
             self.workers[message.worker_id].ready = message
             if self.tokenizer is None:
                 self.model_name = message.model_name
@@ -654,7 +658,31 @@ class DisaggClient:
         handle = self.workers.get(ready.worker_id)
         if handle is None or handle.alive or handle.proc is None or ready.pid != handle.proc.pid:
             return  # a stale announcement of a process already replaced
+        other = self._other_weights(ready)
+        if other is not None:  # never routed to: its KV would be wrong on every other worker
+            logger.error("%s", other)
+            if handle.proc.is_alive():
+                handle.proc.kill()
+            self._on_worker_lost(handle, other)
+            return
         handle.ready = ready
+
+    def _other_weights(self, ready: WorkerReady) -> str | None:
+        """Why `ready`'s worker must not join (None if it may): KV computed with other weights
+        looks like any other KV (same shapes), so a hand-off or a store block between such
+        workers would be a silently wrong answer. E.g. a model path that holds other files
+        on another machine (Ray)."""
+        if not ready.weights_fingerprint:
+            return None  # a worker that does not say (older build): nothing to compare
+        if not self.weights_fingerprint:
+            self.weights_fingerprint = ready.weights_fingerprint
+            return None
+        if ready.weights_fingerprint == self.weights_fingerprint:
+            return None
+        return (f"{ready.worker_id} loaded other model files (weights fingerprint "
+                f"{ready.weights_fingerprint[:12]}, the cluster's is "
+                f"{self.weights_fingerprint[:12]}): check that --model names the same files on "
+                f"every machine")
 
     def _maybe_readmit(self, handle: WorkerHandle) -> None:
         """A report from a restarted worker that announced itself: route to it again."""

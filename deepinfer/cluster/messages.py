@@ -93,6 +93,8 @@ class WorkerReady(msgspec.Struct, tag=True):
     num_kv_blocks: int
     max_num_seqs: int
     tokenizer_pickle: bytes
+    # `ModelSource.weights_fingerprint()`: KV moves between workers only if theirs are equal.
+    weights_fingerprint: str = ""
 
 
 class PrefillDone(msgspec.Struct):

@@ -106,7 +106,8 @@ def run_worker_proc(spec: WorkerSpec) -> None:
             max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
-            tokenizer_pickle=pickle.dumps(engine.tokenizer))))
+            tokenizer_pickle=pickle.dumps(engine.tokenizer),
+            weights_fingerprint=engine.source.weights_fingerprint())))
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat_thread, args=(spec, ctx, loop, stop),
                                 name="heartbeat", daemon=True)
