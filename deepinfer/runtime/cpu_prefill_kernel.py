@@ -24,7 +24,7 @@ from torch import Tensor
 from deepinfer.runtime.cpu_kernel_build import load_kernel_library, mismatch, self_test
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _I64, _INT, _INT, _INT, _INT, _INT,
+_ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT, _INT, _INT, _INT,
              ctypes.c_float, _INT]
 MAX_GROUP = 16  # the kernel's MAX_G
 MAX_HEAD_DIM = 256
@@ -56,18 +56,19 @@ class PrefillKernel:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the prefill kernel reads contiguous [blocks, bs, KV, d] caches")
-        self._run(q, k_cache, v_cache, block_ids, block_size * num_kv_heads * head_dim,
-                  num_kv_heads * head_dim, block_size, out, num_cached, num_kv_heads, num_threads)
+        row = num_kv_heads * head_dim
+        self._run(q, k_cache, v_cache, block_ids, block_size * row, row, row, block_size, out,
+                  num_cached, num_kv_heads, num_threads)
 
     def flat(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, num_threads: int) -> None:
         """A chunk with no prefix: q, out [x, H, d]; k, v [x, KV, d] (token-strided views)."""
-        if k.stride() != v.stride() or not _rows(k):  # the kernel takes one stride for both
-            k, v = k.contiguous(), v.contiguous()
-        self._run(q, k, v, self._flat_table, 0, k.stride(0), max(1, q.shape[0]), out, 0,
-                  k.shape[1], num_threads)
+        k = k if _rows(k) else k.contiguous()
+        v = v if _rows(v) else v.contiguous()
+        self._run(q, k, v, self._flat_table, 0, k.stride(0), v.stride(0), max(1, q.shape[0]),
+                  out, 0, k.shape[1], num_threads)
 
-    def _run(self, q, k, v, table, block_stride, token_stride, block_size, out, num_cached,
-             num_kv_heads, num_threads) -> None:
+    def _run(self, q, k, v, table, block_stride, token_stride, v_token_stride, block_size, out,
+             num_cached, num_kv_heads, num_threads) -> None:
         x, num_heads, head_dim = q.shape
         if not (q.dtype == k.dtype == v.dtype == out.dtype == torch.bfloat16
                 and table.dtype == torch.long and table.is_contiguous()):
@@ -75,9 +76,9 @@ class PrefillKernel:
         q = q if _rows(q) else q.contiguous()
         dst = out if _rows(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
         rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), table.data_ptr(),
-                      block_stride, token_stride, block_size, dst.data_ptr(), dst.stride(0), x,
-                      num_cached, num_kv_heads, num_heads // num_kv_heads, head_dim,
-                      head_dim ** -0.5, num_threads)
+                      block_stride, token_stride, v_token_stride, block_size, dst.data_ptr(),
+                      dst.stride(0), x, num_cached, num_kv_heads, num_heads // num_kv_heads,
+                      head_dim, head_dim ** -0.5, num_threads)
         if rc != 0:
             raise RuntimeError(f"prefill attention kernel failed (code {rc})")
         if dst is not out:

@@ -80,6 +80,20 @@ def test_kernel_matches_sdpa(kernel, x, cached, num_kv_heads, group, head_dim, b
     assert torch.allclose(got.float(), sdpa.float(), atol=TOL_VS_BF16, rtol=TOL_VS_BF16)
 
 
+def test_chunk_with_k_and_v_of_different_strides(kernel):
+    """Per-head q/k norms (Qwen3) hand over a fresh contiguous k next to v still a view into
+    the QKV rows; a chunk with no prefix reads both in place, each with its own stride."""
+    cache, meta, _, q, k, v = _step(70, 0, 2, 3, 64, 16, seed=11)
+    k = k.contiguous()
+    assert k.stride(0) != v.stride(0)
+    with torch.inference_mode():
+        got = PagedAttention(cache, meta, 6, prefill_kernel=kernel).forward(0, q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+        is_causal=True, enable_gqa=True).transpose(0, 1)
+    assert torch.allclose(got.float(), want, atol=TOL, rtol=TOL), (got.float() - want).abs().max()
+
+
 def test_kernel_threads_agree_bit_for_bit(kernel):
     """Work is split over (KV head, query tile) only: 1 and 2 threads give the same bits."""
     cache, meta, _, q, k, v = _step(200, 40, 3, 3, 64, 16, seed=5)

@@ -6,6 +6,7 @@
  *
  *     k + table[c / BS] * block_stride + (c % BS) * token_stride + h * D
  *
+ * (V the same with v_token_stride: the chunk's own K and V can be views with different strides)
  * (the paged cache [blocks, BS, KV, D], or the chunk's own K/V rows as one "block").
  *   q    [x, KV * G, D]: token stride q_stride, heads D apart (a view into the QKV output)
  *   out  [x, KV * G, D]: token stride out_stride
@@ -69,12 +70,12 @@ static inline uint32_t load_pair(const uint16_t *p) {
     return u;
 }
 
-/* S[c][rv0 .. rv0+nr) for KC keys starting at krow[0]: acc = sum over D/2 pairs. nr is a
+/* S[c][rv0 .. rv0+nr) (unscaled) for KC keys starting at krow[0]: acc = sum over D/2 pairs. nr is a
  * compile-time constant at each call site (the switch below), so the accumulators stay in
  * registers. */
 static inline __attribute__((always_inline)) void qk_block(
         const uint32_t *qp, int R, int rv0, const int nr, const uint16_t *const *krow, int D,
-        float *S, float scale) {
+        float *S) {
     __m512 acc[NR][KC];
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < KC; c++) acc[i][c] = _mm512_setzero_ps();
@@ -88,10 +89,9 @@ static inline __attribute__((always_inline)) void qk_block(
                 acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(qv[i]), as_bh(kb));
         }
     }
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int c = 0; c < KC; c++)
         for (int i = 0; i < nr; i++)
-            _mm512_storeu_ps(S + (int64_t)c * R + 16 * (rv0 + i), _mm512_mul_ps(acc[i][c], sc));
+            _mm512_storeu_ps(S + (int64_t)c * R + 16 * (rv0 + i), acc[i][c]);
 }
 
 /* O^T[d0 .. d0+DC)[rv0 .. rv0+nr) = O^T * alpha + sum over key pairs of P2 x Vp. */
@@ -127,8 +127,8 @@ typedef struct {
 } scratch_t;
 
 static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                const int64_t *table, int64_t block_stride, int64_t token_stride, int BS,
-                uint16_t *out, int64_t out_stride, int x, int P, int G, int D, int BQ, int h,
+                const int64_t *table, int64_t block_stride, int64_t token_stride,
+                int64_t v_token_stride, int BS, uint16_t *out, int64_t out_stride, int x, int P, int G, int D, int BQ, int h,
                 int qt, float scale, scratch_t *w) {
     const int R = G * BQ, RV = R / 16, per_g = BQ / 16;
     const int q0 = qt * BQ, nq = x - q0 < BQ ? x - q0 : BQ;
@@ -165,6 +165,7 @@ static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const ui
     const __m512i hi_idx = _mm512_loadu_si512((const void *)hi_words);
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int limit = P + q0 + nq; /* keys the tile's last real query sees */
+    const __m512 sc = _mm512_set1_ps(scale); /* softmax scale * log2(e) */
     const uint16_t *krow[BK], *vrow[BK];
     for (int c0 = 0; c0 < limit; c0 += BK) {
         const int n = limit - c0 < BK ? limit - c0 : BK;
@@ -172,20 +173,19 @@ static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const ui
         for (int c = 0; c < n8; c++) {
             if (c < n) {
                 const int key = c0 + c;
-                const int64_t off = table[key / BS] * block_stride + (int64_t)(key % BS) * token_stride
-                                    + (int64_t)h * D;
-                krow[c] = k + off;
-                vrow[c] = v + off;
+                const int64_t blk = table[key / BS] * block_stride + (int64_t)h * D;
+                krow[c] = k + blk + (int64_t)(key % BS) * token_stride;
+                vrow[c] = v + blk + (int64_t)(key % BS) * v_token_stride;
             } else {
                 krow[c] = vrow[c] = zero_row;
             }
         }
-        /* S = K Q^T, scaled to log2 units */
+        /* S = K Q^T (the softmax scale goes into its exp2) */
         for (int c = 0; c < n8; c += KC) {
             int rv = 0;
-            for (; rv + 3 <= RV; rv += 3) qk_block(w->qp, R, rv, 3, krow + c, D, w->S + (int64_t)c * R, scale);
-            if (RV - rv == 2) qk_block(w->qp, R, rv, 2, krow + c, D, w->S + (int64_t)c * R, scale);
-            else if (RV - rv == 1) qk_block(w->qp, R, rv, 1, krow + c, D, w->S + (int64_t)c * R, scale);
+            for (; rv + 3 <= RV; rv += 3) qk_block(w->qp, R, rv, 3, krow + c, D, w->S + (int64_t)c * R);
+            if (RV - rv == 2) qk_block(w->qp, R, rv, 2, krow + c, D, w->S + (int64_t)c * R);
+            else if (RV - rv == 1) qk_block(w->qp, R, rv, 1, krow + c, D, w->S + (int64_t)c * R);
         }
         /* causal mask where the tile reaches past the first query's last key (and padding) */
         if (c0 + n8 - 1 > P + q0) {
@@ -204,12 +204,13 @@ static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const ui
         for (int rv = 0; rv < RV; rv++) {
             __m512 mx = m[rv];
             for (int c = 0; c < n8; c++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(w->S + (int64_t)c * R + 16 * rv));
-            alpha[rv] = exp2_ps(_mm512_sub_ps(m[rv], mx));
+            alpha[rv] = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(m[rv], mx), sc));
             m[rv] = mx;
+            const __m512 shift = _mm512_mul_ps(mx, _mm512_set1_ps(-scale));
             __m512 sum = _mm512_setzero_ps();
             for (int c = 0; c < n8; c += 2) {
-                const __m512 p0 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(w->S + (int64_t)c * R + 16 * rv), mx));
-                const __m512 p1 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(w->S + (int64_t)(c + 1) * R + 16 * rv), mx));
+                const __m512 p0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(w->S + (int64_t)c * R + 16 * rv), sc, shift));
+                const __m512 p1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(w->S + (int64_t)(c + 1) * R + 16 * rv), sc, shift));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
                 const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
                 _mm512_storeu_si512((void *)(w->p2 + (int64_t)(c / 2) * R + 16 * rv),
@@ -262,7 +263,8 @@ static int task(const uint16_t *q, int64_t q_stride, const uint16_t *k, const ui
  * without AVX-512 BF16, 3 when out of memory. */
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                            const uint16_t *v, const int64_t *table, int64_t block_stride,
-                           int64_t token_stride, int BS, uint16_t *out, int64_t out_stride, int x,
+                           int64_t token_stride, int64_t v_token_stride, int BS, uint16_t *out,
+                           int64_t out_stride, int x,
                            int P, int KV, int G, int D, float scale, int num_threads) {
 #ifdef __AVX512BF16__
     if (D % 32 != 0 || D > MAX_D || G < 1 || G > MAX_G || x < 1 || P < 0 || BS < 1) return 1;
@@ -289,7 +291,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
         _Pragma("omp for schedule(dynamic, 1)")
         for (int i = 0; i < KV * nqt; i++) {
             if (!mem) continue;
-            task(q, q_stride, k, v, table, block_stride, token_stride, BS, out, out_stride, x, P,
+            task(q, q_stride, k, v, table, block_stride, token_stride, v_token_stride, BS, out, out_stride, x, P,
                  G, D, BQ, i % KV, nqt - 1 - i / KV, scale2, &w);
         }
         free(mem);
@@ -297,7 +299,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     return failed;
 #else
     (void)q; (void)q_stride; (void)k; (void)v; (void)table; (void)block_stride;
-    (void)token_stride; (void)BS; (void)out; (void)out_stride; (void)x; (void)P; (void)KV;
+    (void)token_stride; (void)v_token_stride; (void)BS; (void)out; (void)out_stride; (void)x; (void)P; (void)KV;
     (void)G; (void)D; (void)scale; (void)num_threads;
     return 2;
 #endif
