@@ -42,6 +42,7 @@ class ModelRunner:
         # build every step (the reference; DEEPINFER_PERSISTENT_BATCH=0 uses it in execute).
         self.input_batch = (PersistentInputBatch(self.block_size, device)
                             if os.environ.get("DEEPINFER_PERSISTENT_BATCH", "1") != "0" else None)
+        self.persistent_min_requests = 8
         # Expert parallelism: a step that schedules nothing must still join the group's
         # MoE collectives (deepinfer.moe.expert_parallel.ExpertParallelRuntime.run_empty_step).
         self.empty_step_hook = None
@@ -103,10 +104,12 @@ class ModelRunner:
                                          and r.num_new_tokens <= SHORT_CHUNK_TOKENS)
 
     def prepare_step(self, output: SchedulerOutput, ordered: list[ScheduledRequest]):
-        """`_prepare(ordered)`, from the persistent rows when there are any."""
-        if self.input_batch is None:
-            return self._prepare(ordered)
+        """`_prepare(ordered)`, from the persistent rows for steps of `persistent_min_requests`
+        requests or more (a few rows build faster as plain lists: 5 small tensors against ~15
+        array ops; a row's blocks are compared, so skipped steps leave nothing stale)."""
         self._forget_rows(output)
+        if self.input_batch is None or len(ordered) < self.persistent_min_requests:
+            return self._prepare(ordered)
         return self.input_batch.prepare(ordered, self._as_decode, self._prefill_meta,
                                         need_mask=self.decode_kernel is None)
 

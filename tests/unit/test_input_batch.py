@@ -31,6 +31,7 @@ def _runner(decode_kernel: bool) -> ModelRunner:
     # prepare never calls the kernel; it only decides which rows are decode rows and the mask
     runner.decode_kernel = object() if decode_kernel else None
     runner.input_batch = PersistentInputBatch(BS, CPU, rows=2, blocks=2)  # forces both growths
+    runner.persistent_min_requests = 1  # every step through the persistent rows
     return runner
 
 
@@ -149,3 +150,21 @@ def test_an_empty_step_still_frees_finished_rows():
     runner.prepare_step(SchedulerOutput([s], 1), [s])
     runner.execute(SchedulerOutput([], 0, finished_request_ids=["y"]))
     assert runner.input_batch.num_rows == 0
+
+
+def test_small_steps_build_plain_lists_and_rows_stay_right():
+    """Below persistent_min_requests the plain build runs; a row skipped meanwhile (its request
+    got new blocks) is brought up to date when the persistent path sees it again."""
+    runner = _runner(True)
+    runner.persistent_min_requests = 3
+    params = SamplingParams(temperature=0.0)
+    from deepinfer.core.scheduler_output import ScheduledRequest
+    others = [ScheduledRequest(f"o{i}", [3], 5, [20 + i, 30 + i], True, params, 1) for i in range(2)]
+    a = ScheduledRequest("a", [3], 5, [1, 2], True, params, 1)
+    runner.prepare_step(SchedulerOutput([a] + others, 3), [a] + others)
+    assert runner.input_batch.num_rows == 3
+    moved = ScheduledRequest("a", [3], 6, [9, 8], True, params, 1)  # alone: plain build
+    runner.prepare_step(SchedulerOutput([moved], 1), [moved])
+    moved = ScheduledRequest("a", [3], 7, [9, 8], True, params, 1)
+    step = [moved] + others
+    assert_same_prepare(runner._prepare(step), runner.prepare_step(SchedulerOutput(step, 3), step))
