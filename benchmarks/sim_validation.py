@@ -198,6 +198,20 @@ def sim_busy(sim_run) -> dict[str, float]:
     return {w.worker_id: w.busy_time_s for w in sim_run.simulator.workers.values()}
 
 
+def sim_work(sim_run) -> dict[str, float]:
+    """Simulated work per worker at full speed: what its process's CPU seconds should be
+    (one thread), however loaded the box was; compare with the measured CPU seconds."""
+    return {w.worker_id: w.work_time_s for w in sim_run.simulator.workers.values()}
+
+
+def work_error(cpu_s: dict[str, float], sim_run) -> float | None:
+    """Simulated work of all workers / their processes' measured CPU seconds - 1: the
+    profile's (and host overhead's) error on this run's work, little moved by other load."""
+    measured = sum(v for k, v in cpu_s.items() if k.startswith("child-"))
+    simulated = sum(sim_work(sim_run).values())
+    return simulated / measured - 1.0 if measured > 0 else None
+
+
 def metric(summary, key, sub):
     value = getattr(summary, key)
     return getattr(value, sub) if sub else value
@@ -280,7 +294,8 @@ def main() -> None:
                     sim_run.prefix_cache_hit_rate, "load_average": [real["load_before"],
                                                                     real["load_after"]],
                 "measured_cpu_s": real["cpu_s"], "cluster_counters": real["cluster_counters"],
-                "simulated_busy_s": sim_busy(sim_run),
+                "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
+                "work_error": work_error(real["cpu_s"], sim_run),
                 "errors_at_start_sharing": compare(real["summary"], simulate_workload(
                     sim_cluster(profile, pools, "at-start"), workload).summary()),
                 "errors_measured_sharing": measured_sharing_errors(real["summary"], profile,
@@ -309,7 +324,13 @@ def main() -> None:
                   f" (duration {real['summary'].duration_s:.1f} s)", flush=True)
             print("  simulated busy s: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                      sim_busy(sim_run).items()) +
-                  f" (duration {sim.duration_s:.1f} s)", flush=True)
+                  f" (duration {sim.duration_s:.1f} s); work at full speed (CPU s): " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in sim_work(sim_run).items()),
+                  flush=True)
+            werr = report["cases"][name]["work_error"]
+            if werr is not None:
+                print(f"  simulated work vs the workers' measured CPU seconds: "
+                      f"{100 * werr:+.1f}%", flush=True)
             write(args.out, report)
         if args.profile is None:
             # The box is shared: re-profile after the runs and simulate again, so the report

@@ -71,7 +71,8 @@ class SimWorker:
     speed: float = 1.0
     speed_since_s: float = 0.0
     step_version: int = 0
-    busy_time_s: float = 0.0
+    busy_time_s: float = 0.0  # simulated time in steps (stretched by host sharing)
+    work_time_s: float = 0.0  # the steps' work at full speed: a worker's CPU seconds on a CPU
     num_steps: int = 0
     peak_kv_usage: float = 0.0
     last_load: WorkerLoad | None = None

@@ -201,6 +201,7 @@ class ClusterSimulator:
         worker.stall_s = 0.0
         worker.busy, worker.output = True, output
         worker.step_started_s, worker.work_left_s = self.now, work_s
+        worker.work_time_s += work_s
         worker.peak_kv_usage = max(worker.peak_kv_usage, worker.scheduler.kv.usage)
         self._reshare(worker)
 

@@ -69,6 +69,9 @@ def test_workers_sharing_a_core_advance_at_half_speed_while_both_are_busy():
     assert {a.prefill_worker, b.prefill_worker} == {"colocated-0", "colocated-1"}
     assert a.token_times_s[0] - a.arrival_s == pytest.approx(2 * t - d)
     assert b.token_times_s[0] - b.arrival_s == pytest.approx(2 * t - d)
+    # Sharing stretches the time in steps, not the work (each worker's CPU seconds).
+    assert [w.work_time_s for w in sim.workers.values()] == pytest.approx([t, t])
+    assert sum(w.busy_time_s for w in sim.workers.values()) == pytest.approx(4 * t - 2 * d)
     # Own cores each (no host sharing): both take T.
     sim = _two_workers_one_core(PROFILE, None)
     a, b = sim.run([BenchRequest(ids, 1, 0.0), BenchRequest(ids[::-1], 1, d)])
@@ -100,6 +103,7 @@ def test_enough_cores_means_no_slowdown():
     assert a.token_times_s[0] == pytest.approx(t)
     assert b.token_times_s[0] == pytest.approx(t)
     assert sum(w.busy_time_s for w in sim.workers.values()) == pytest.approx(2 * t)
+    assert sum(w.work_time_s for w in sim.workers.values()) == pytest.approx(2 * t)
 
 
 def _pd_one_each(profile: str):
