@@ -16,6 +16,13 @@
 #define HAVE_DPBF16 1
 #endif
 
+/* For the row-level functions of the shared headers, which two libraries (a per-op kernel and
+ * decode_stack.c) must compute bit for bit alike: compiled on their own in each library (never
+ * inlined, cloned or specialised for a caller), the same source and flags give the same code.
+ * Inlined into their callers, the two copies compiled differently: one decode step of the
+ * default model in ~60 came out a bf16 step apart somewhere in the stack. */
+#define SHARED_ROW_FN __attribute__((noipa)) static
+
 static inline float bf16_to_f32(uint16_t x) {
     const uint32_t u = ((uint32_t)x) << 16;
     float f;

@@ -25,7 +25,7 @@ static inline __m512 widen16(const uint16_t *p) {
 /*   q, out     the G query rows [G, D] of this task (adjacent heads)
  *   kc, vc     one layer's cache [num_blocks, BS, KV, D]; tab: the sequence's block ids
  *   scores     scratch of G * score_stride floats, score_stride >= len */
-static void decode_task_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+SHARED_ROW_FN void decode_task_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                                     const int64_t *tab, int64_t len, uint16_t *out, int KV,
                                     int G, int D, int BS, int h, float scale, float *scores,
                                     int64_t score_stride) {

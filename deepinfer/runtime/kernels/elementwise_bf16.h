@@ -19,7 +19,7 @@ static inline void narrow(uint16_t *restrict dst, const float *restrict src, int
 }
 
 /* o = row / sqrt(mean(row^2) + eps) * w over H values; row and o may alias. */
-static inline void rms_norm_row(const uint16_t *row, const uint16_t *w, uint16_t *o, int H,
+SHARED_ROW_FN void rms_norm_row(const uint16_t *row, const uint16_t *w, uint16_t *o, int H,
                                 float eps) {
     float ss = 0.f;
     for (int i = 0; i < H; i++) {
@@ -32,7 +32,7 @@ static inline void rms_norm_row(const uint16_t *row, const uint16_t *w, uint16_t
 
 /* o[i] = silu(g[i]) * u[i] for n <= CHUNK values. Callers cut rows at CHUNK boundaries, so
  * every caller vectorizes the same element the same way (same expf lanes, same bits). */
-static inline void silu_mul_chunk(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
+SHARED_ROW_FN void silu_mul_chunk(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
     float gf[CHUNK], uf[CHUNK];
     widen(gf, g, n);
     widen(uf, u, n);
@@ -49,7 +49,7 @@ static inline void silu_mul_chunk(const uint16_t *g, const uint16_t *u, uint16_t
  * instead of one fused float expression. The products of two bf16 values are exact in
  * float32, so only the explicit roundings matter (and -ffast-math cannot contract across
  * them: they go through integer bits). cos/sin: the token's D/2 values. */
-static inline void rotary_row(const uint16_t *x, const uint16_t *cos, const uint16_t *sin,
+SHARED_ROW_FN void rotary_row(const uint16_t *x, const uint16_t *cos, const uint16_t *sin,
                               uint16_t *o, int heads, int D) {
     const int half = D / 2;
     float c[CHUNK], s[CHUNK], x1[CHUNK], x2[CHUNK];
