@@ -491,6 +491,7 @@ def main() -> None:
                     row["round"] = r
                     rows.append(row)
                     print_table(f"{name} round {r}", [row])
+                compare_to_affinity([x for x in rows if x.get("round") == r])
             rows += [pool_rows(label, [x for x in rows if x["policy"] == label])
                      for label in labels]
         else:

@@ -206,7 +206,7 @@ class LeastComputePrefillRouter(PrefillRouter):
                               num_await_blocks=num_wait, await_until=wait_until)]
         for flight in match.in_flight:
             n = min(flight.num_blocks, usable)
-            if flight.worker_id == ld.worker_id or n <= max(local, stored):
+            if n <= max(local, stored):  # nothing to wait for (its own, computed in order)
                 continue
             plan = self._plan_load(request, ld, local, n - local)
             start = max(queue_s, flight.eta - now)

@@ -41,8 +41,10 @@ class PrefixMatch:
     """What is known of one request's leading blocks.
 
     `num_stored_blocks`: leading blocks in the shared store. `device_blocks[w]`: leading
-    blocks worker w holds on its device or is computing now (free for it). `in_flight`: the
-    longest leading run being computed elsewhere, per worker, with when it is expected."""
+    blocks worker w holds on its device or is computing now (free for it). `in_flight`: per
+    worker w computing some of them now, the longest leading run that will all be in the
+    store once w's blocks are published (its other blocks stored already or computed by
+    others: a head w awaits), with when the whole run is expected."""
 
     num_stored_blocks: int
     device_blocks: dict[str, int]
@@ -112,7 +114,8 @@ class PrefixLocator:
         device: dict[str, int] = {}
         alive: set[str] | None = None  # workers whose local run is still unbroken
         flight: dict[str, InFlightPrefix] = {}
-        flight_alive: set[str] | None = None
+        coming = True  # every block so far is stored or being computed
+        coming_eta = 0.0  # when the unstored ones among them are expected
         for i, block_hash in enumerate(block_hashes):
             block = self._blocks.get(block_hash)
             if block is None:
@@ -128,11 +131,14 @@ class PrefixLocator:
             etas: dict[str, float] = {}
             for w, eta in block.in_flight.values():
                 etas[w] = min(eta, etas.get(w, eta))
-            flight_alive = set(etas) if flight_alive is None else flight_alive & set(etas)
-            for w in flight_alive:
-                eta = max(etas[w], flight[w].eta) if w in flight else etas[w]
-                flight[w] = InFlightPrefix(w, i + 1, eta)
-            if not (stored_run or alive or flight_alive):
+            coming = coming and (block.stored or bool(etas))
+            if coming:
+                if not block.stored:
+                    coming_eta = max(coming_eta, min(etas.values()))
+                for w, eta in etas.items():
+                    flight[w] = InFlightPrefix(w, i + 1, coming_eta if block.stored
+                                               else max(coming_eta, eta))
+            if not (stored_run or alive or coming):
                 break
             self._blocks.move_to_end(block_hash)
         return PrefixMatch(num_stored, device,

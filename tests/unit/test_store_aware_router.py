@@ -220,3 +220,29 @@ def test_a_prefix_in_flight_is_never_computed_a_second_time_even_when_waiting_is
             assert router.take_prefix_plan("b").await_worker == "p0"
         if not awaited:
             assert worker == "p1" and router.take_prefix_plan("b") is None
+
+
+def test_the_tail_computed_after_an_awaited_head_is_in_flight_for_the_next_turn():
+    # Multi-turn: turn 2 (b) awaits the system prompt a computes on p0 and computes its own
+    # message on p1. Turn 3 (c) extends b's prompt: all of b's blocks are coming to the
+    # store (a's by a's eta, b's own by b's), so c can wait for all of them; before, the
+    # awaited head hid b's tail and c computed it a second time.
+    loc = PrefixLocator()
+    b_prompt = SYSTEM + [7000 + i for i in range(64)]  # 36 full blocks
+    c_prompt = b_prompt + [9000 + i for i in range(40)]
+    loc.on_routed("a", "p0", request("a", 1).block_hashes, eta=1.0)
+    loc.on_routed("b", "p1", hash_request_blocks(b_prompt, BS), eta=2.0, num_await_blocks=32)
+    m = loc.match(hash_request_blocks(c_prompt, BS))
+    assert m.num_local_blocks("p1") == 0  # the head is not computed there
+    assert {(f.worker_id, f.num_blocks, f.eta) for f in m.in_flight} == \
+        {("p0", 32, 1.0), ("p1", 36, 2.0)}
+
+    router = build_prefill_router("least-compute")
+    loads = [load("p0"), load("p1")]
+    router.route(request("a", 1), loads, 0.0)
+    assert router.route(RoutingRequest("b", len(b_prompt), hash_request_blocks(b_prompt, BS)),
+                        loads, 0.0) == "p1"
+    router.route(RoutingRequest("c", len(c_prompt), hash_request_blocks(c_prompt, BS)),
+                 loads, 0.0)
+    plan = router.last_plan
+    assert plan.num_local_blocks + plan.num_load_blocks == 36  # none of b's blocks again
