@@ -1,7 +1,8 @@
 """Prefill attention alone: the C kernel (runtime/cpu_prefill_kernel.py) vs torch SDPA, as
-PagedAttention._prefill runs them for one layer of one chunk (issue 12).
+PagedAttention._prefill runs them for one layer of one chunk (issue 12); with --ttft also the
+default model's 512-token TTFT with the kernel on and off in one engine, alternating.
 
-    .venv/bin/python benchmarks/prefill_attention_bench.py --threads 2 \\
+    .venv/bin/python benchmarks/prefill_attention_bench.py --threads 2 --ttft \\
         --json benchmarks/results/prefill_attention_bench.json
 
 Shapes default to the default model (9 query heads of 64, 3 KV heads, block size 16). Each case
@@ -59,6 +60,39 @@ def time_calls(fn, repeats: int) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def ttft(args) -> dict:
+    """512-token TTFT of the default bf16 model through `LLM.generate` (one prompt, one output
+    token, prefix caching off), the kernel on and off in one engine, alternating."""
+    import random
+
+    from deepinfer import LLM, SamplingParams
+    llm = LLM(model=None, dtype="bfloat16", kv_cache_memory="256MiB", seed=0,
+              enable_prefix_caching=False, num_threads=args.threads)
+    runner = llm.engine.runner
+    kernel = runner.prefill_kernel
+    if kernel is None:
+        raise SystemExit("the engine did not load the prefill kernel")
+    rng = random.Random(0)
+    vocab = llm.get_tokenizer().vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    for i in range(args.ttft_rounds + 1):  # round 0 warms both paths
+        for name in times:
+            runner.prefill_kernel = kernel if name == "kernel" else None
+            prompt = [rng.randrange(200, vocab - 200) for _ in range(args.ttft_len)]
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            if i:
+                times[name].append(time.perf_counter() - start)
+    runner.prefill_kernel = kernel
+    out = {name: {"min_s": min(t), "median_s": statistics.median(t), "all_s": t}
+           for name, t in times.items()}
+    print(f"{args.ttft_len}-token TTFT: kernel min {out['kernel']['min_s']:.3f} s median "
+          f"{out['kernel']['median_s']:.3f} s | SDPA min {out['sdpa']['min_s']:.3f} s median "
+          f"{out['sdpa']['median_s']:.3f} s")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
@@ -68,6 +102,10 @@ def main() -> None:
                     help="comma-separated x:P chunks")
     ap.add_argument("--heads", default="9:3:64", help="query heads:kv heads:head dim")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--ttft", action="store_true",
+                    help="also the default model's TTFT through LLM.generate, kernel on vs off")
+    ap.add_argument("--ttft-len", type=int, default=512)
+    ap.add_argument("--ttft-rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -108,11 +146,12 @@ def main() -> None:
               f"{sdpa['cpu_ms']:7.2f} ms CPU ({sdpa['gflops_wall']:6.1f} GFLOP/s, "
               f"{sdpa['gflops_per_cpu_s']:6.1f} per CPU s)  CPU-time ratio "
               f"{sdpa['cpu_ms'] / kern['cpu_ms']:.2f}x  max |diff| {err:.3g}")
+    ttft_results = ttft(args) if args.ttft else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "load_average": os.getloadavg(),
                        "torch": torch.__version__, "block_size": args.block_size,
-                       "results": results}, f, indent=2)
+                       "results": results, "ttft": ttft_results}, f, indent=2)
 
 
 if __name__ == "__main__":
