@@ -64,6 +64,7 @@ def make_engine(env: dict[str, str]) -> LLMEngine:
 def cases(block_size: int) -> dict[str, SchedulerOutput]:
     return {
         "decode_b1_ctx300": decode_step(1, 300, block_size, 1),
+        "decode_b4_ctx300": decode_step(4, 300, block_size, 1),  # small batches: the decode stack
         "decode_b64_ctx320": decode_step(64, 320, block_size, 1),
         "prefill_512": prefill_step(512, block_size, 1),
     }
@@ -105,6 +106,11 @@ def split_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> dict[s
     fns = dict(kernel._fns) if kernel is not None else {}
     if kernel is not None:
         kernel._fns = {d: timed("decode_kernel", f) for d, f in fns.items()}
+    # The fused decode stack (runtime/cpu_decode_stack.py): the whole layer stack in one call.
+    stack = getattr(getattr(engine.model, "model", None), "decode_stack", None)
+    stack_fn = stack._fn if stack is not None else None
+    if stack is not None:
+        stack._fn = timed("decode_stack", stack_fn)
     try:
         engine.runner.execute(step)
         rows = []
@@ -117,9 +123,12 @@ def split_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> dict[s
         PackedLinear.forward, F.scaled_dot_product_attention = saved
         if kernel is not None:
             kernel._fns = fns
-    keys = ["linear", "decode_kernel", "sdpa", "total"]
+        if stack is not None:
+            stack._fn = stack_fn
+    keys = ["linear", "decode_kernel", "sdpa", "decode_stack", "total"]
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
-    out["other"] = out["total"] - out["linear"] - out["decode_kernel"] - out["sdpa"]
+    out["other"] = (out["total"] - out["linear"] - out["decode_kernel"] - out["sdpa"]
+                    - out["decode_stack"])
     return out
 
 
