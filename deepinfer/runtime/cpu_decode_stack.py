@@ -80,7 +80,9 @@ class DecodeStack:
             rows.append([_ptr(t) for t in tensors])
         self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self._dims = torch.tensor([len(layers), self.hidden, attn0.num_heads, self.num_kv_heads,
-                                   self.head_dim, layers[0].mlp.intermediate_size], dtype=torch.int32)
+                                   self.head_dim, layers[0].mlp.intermediate_size,
+                                   model.embed_tokens.weight.shape[0],
+                                   model.rotary.cos_sin_cache.shape[0]], dtype=torch.int32)
         self._embed = model.embed_tokens.weight
         self._norm = model.norm.weight
         self._eps = model.norm.eps
@@ -120,6 +122,8 @@ class DecodeStack:
                       lens.data_ptr(), num, tables.numel() // num, cache.kv.data_ptr(),
                       cache.num_blocks, cache.spec.block_size, out.data_ptr(),
                       torch.get_num_threads())
+        if rc == 3:
+            raise IndexError("decode stack: a token id, position, slot or block id is out of range")
         if rc != 0:
             raise RuntimeError(f"decode stack kernel failed (code {rc})")
         self.rows_run.append(num)

@@ -178,3 +178,24 @@ def test_default_model_ngram_verification_rows_equal(bf16_llm, gemv_for_every_ro
               enable_prefix_caching=False, share_weights_with=bf16_llm, speculative_config=spec)
     prompts = PROMPTS[3:5]  # repetitive: the drafts are often accepted (5-row verifications)
     assert _generate(llm, prompts, True) == _generate(llm, prompts, False)
+
+
+def test_out_of_range_ids_positions_and_blocks_are_errors_not_wild_reads():
+    shape = SHAPES[0]
+    model = _fast_random_model(shape, seed=6)
+    stack = model.model.decode_stack
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        cache, meta, ids, positions = _decode_step(model, gen, 2)
+        attn = PagedAttention(cache, meta, shape[1])
+        before = cache.kv.clone()
+        bad_block = meta.decode.block_ids.clone()
+        bad_block[0] = cache.num_blocks
+        for bad_ids, bad_pos, blocks in ((ids + model.config.vocab_size, positions, None),
+                                         (ids, positions + 10_000, None),
+                                         (ids, positions, bad_block)):
+            if blocks is not None:
+                meta.decode.block_ids = blocks
+            with pytest.raises(IndexError):
+                stack(bad_ids, bad_pos, attn)
+        assert torch.equal(cache.kv, before)

@@ -25,8 +25,9 @@
 
 /* Per layer, in `layer_ptrs` [L, P_COUNT]: data pointers (0 = no bias). */
 enum { P_LN1, P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_LN2, P_GU_W, P_DOWN_W, P_COUNT };
-/* `dims`: layers, hidden, query heads, KV heads, head dim, intermediate size. */
-enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_COUNT };
+/* `dims`: layers, hidden, query heads, KV heads, head dim, intermediate size, vocabulary,
+ * rotary table rows. */
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_MAX_POS, D_COUNT };
 
 #define STACK_MAX_ROWS GEMV_MAX_M
 
@@ -42,7 +43,8 @@ int decode_stack_supported(int group, int head_dim) {
 
 static inline int part(int n, int i, int parts) { return (int)((int64_t)n * i / parts); }
 
-/* Returns 0; 1 for shapes out of range; 2 when scratch memory could not be allocated.
+/* Returns 0; 1 for shapes out of range; 2 when scratch memory could not be allocated; 3 for a
+ * token id, position, slot or context length outside its table (nothing is read or written).
  *   ids, pos, slots, lens [R] int64; tables [R, W] int64 block ids
  *   embed [vocab, hidden]; cos_sin [max_pos, D] (cos | sin halves per position)
  *   kv [L, 2, num_blocks, BS, KV, D]; out [R, hidden]
@@ -62,7 +64,14 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps,
         return 1;
     const int G = NH / KV, Q = NH * D, NQKV = Q + 2 * KV * D;
     int64_t max_len = 1;
-    for (int r = 0; r < R; r++) if (lens[r] > max_len) max_len = lens[r];
+    for (int r = 0; r < R; r++) {
+        if (ids[r] < 0 || ids[r] >= dims[D_VOCAB] || pos[r] < 0 || pos[r] >= dims[D_MAX_POS]
+            || slots[r] < 0 || slots[r] >= num_blocks * BS || lens[r] < 1 || lens[r] > (int64_t)W * BS)
+            return 3;
+        for (int j = 0; j < (lens[r] + BS - 1) / BS; j++)
+            if (tables[(int64_t)r * W + j] < 0 || tables[(int64_t)r * W + j] >= num_blocks) return 3;
+        if (lens[r] > max_len) max_len = lens[r];
+    }
     /* activations, all [R, width] bf16 */
     const size_t widths = (size_t)2 * H + NQKV + Q + 3 * (size_t)I;
     uint16_t *scratch = (uint16_t *)malloc(sizeof(uint16_t) * widths * (size_t)R);
