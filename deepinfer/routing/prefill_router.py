@@ -214,9 +214,15 @@ class LeastComputePrefillRouter(PrefillRouter):
                                       num_local_blocks=local,
                                       num_load_blocks=plan.num_load_blocks,
                                       num_await_blocks=n,
-                                      await_until=flight.eta + self.await_slack_s,
+                                      await_until=self._await_deadline(flight.eta, now),
                                       await_worker=flight.worker_id))
         return options
+
+    def _await_deadline(self, eta: float, now: float) -> float:
+        """How long a worker waits for a prefix in flight: its eta, plus `await_slack_s` or
+        the predicted wait again if longer. On a loaded machine prefills run several times
+        slower than predicted, and a wait cut short recomputes what is nearly published."""
+        return eta + max(self.await_slack_s, eta - now)
 
     def _plan_load(self, request: RoutingRequest, ld: WorkerLoad, num_local: int,
                    num_store: int) -> StoreLoadPlan:

@@ -217,7 +217,10 @@ def test_a_prefix_in_flight_is_never_computed_a_second_time_even_when_waiting_is
         plan = router.last_plan
         assert (plan.num_local_blocks + plan.num_load_blocks == 32) is awaited
         if awaited and worker == "p1":
-            assert router.take_prefix_plan("b").await_worker == "p0"
+            wait = router.take_prefix_plan("b")
+            assert wait.await_worker == "p0"
+            eta = wait.finish_s - wait.own_cost_s  # when the prefix is predicted published
+            assert eta > 5.0 and wait.await_until >= 2 * eta  # slack: the wait again
         if not awaited:
             assert worker == "p1" and router.take_prefix_plan("b") is None
 
