@@ -107,7 +107,9 @@ class SpecVerifier:
         plain = [i for g in groups if id(g) not in with_q
                  for i in range(g.first_row, g.first_row + g.num_rows)]
         target: dict[int, int] = {}
-        if plain:
+        if len(plain) == len(rows):  # no drafter q: every row, in order (no [R, V] copy)
+            target = dict(enumerate(self.sampler.sample_tokens(logits, rows).tolist()))
+        elif plain:
             index = torch.tensor(plain, dtype=torch.long, device=logits.device)
             sampled = self.sampler.sample_tokens(logits[index], [rows[i] for i in plain]).tolist()
             target = dict(zip(plain, sampled))
