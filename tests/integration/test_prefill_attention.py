@@ -163,22 +163,22 @@ def test_default_model_greedy_tokens_equal_with_kernel_on_and_off(bf16_pair, ker
     all at once with prompts that extend cached ones (a chunk after a prefix-cache hit)."""
     on, off = bf16_pair
     assert on.engine.runner.prefill_kernel is not None
-    extended = [PROMPTS[1] + "Berlin is the capital of Germany. " * 5,
-                PROMPTS[2] + "and every morning it counted the stars it had seen. " * 3]
+    extended = [PROMPTS[0] + "Berlin is the capital of Germany. " * 5,
+                PROMPTS[1] + "and every morning it counted the stars it had seen. " * 3]
     results = []
     for llm in (on, off):
         calls = []
-        runner = llm.engine.runner
-        if runner.prefill_kernel is not None:
-            fn = runner.prefill_kernel._fn
-            runner.prefill_kernel._fn = lambda *a: calls.append(1) or fn(*a)
+        kernel_here = llm.engine.runner.prefill_kernel
+        if kernel_here is not None:  # count the kernel's calls
+            fn = kernel_here._fn
+            kernel_here._fn = lambda *a: calls.append(1) or fn(*a)
         try:
             alone = [_tokens(llm, [p])[0] for p in PROMPTS]
             hits = llm.engine.get_stats().prefix_cache_hits
             together = _tokens(llm, PROMPTS + extended)
         finally:
-            if calls or runner.prefill_kernel is not None:
-                runner.prefill_kernel._fn = fn
+            if kernel_here is not None:
+                kernel_here._fn = fn
         assert llm.engine.get_stats().prefix_cache_hits > hits
         assert bool(calls) == (llm is on)
         results.append((alone, together))
