@@ -119,6 +119,30 @@ def test_shapes_it_does_not_take_stay_on_sdpa(kernel):
         assert attn.prefill_kernel is None, (dtype, head_dim, heads, kv_heads)
 
 
+@pytest.mark.parametrize("old,new", [
+    ("#define NEG_BIG -1e30f", "#define NEG_BIG 0.f"),  # the causal mask lets later keys in
+    ("(int64_t)(key % BS) * v_token_stride", "(int64_t)(key % BS + 1) * v_token_stride"),  # V off by a row
+])
+def test_a_wrong_build_is_refused_by_the_self_test(kernel, tmp_path, monkeypatch, caplog, old, new):
+    """A private copy of the source broken as a miscompile would break it, built and loaded
+    through the normal path: the self-test against SDPA refuses it and the engine keeps SDPA."""
+    import shutil
+
+    from deepinfer.runtime import cpu_kernel_build
+    sources = tmp_path / "kernels"
+    shutil.copytree(cpu_kernel_build.KERNEL_DIR, sources)
+    path = sources / "prefill_attention.c"
+    text = path.read_text()
+    assert old in text, f"{old!r} is no longer in the kernel: update this test's fault"
+    path.write_text(text.replace(old, new))
+    monkeypatch.setattr(cpu_kernel_build, "KERNEL_DIR", sources)
+    monkeypatch.setattr(cpu_kernel_build, "_VERDICTS", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="deepinfer.runtime.cpu_kernel_build"):
+        assert load_prefill_kernel() is None
+    assert any("prefill_attention_bf16" in r.getMessage() for r in caplog.records)
+
+
 def test_disabled_by_env(monkeypatch):
     monkeypatch.setenv("DEEPINFER_PREFILL_KERNEL", "0")
     assert load_prefill_kernel() is None
