@@ -20,8 +20,11 @@ from deepinfer.core.scheduler_output import ScheduledRequest, TokenLogprobs
 from deepinfer.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-# Row argmax in two passes over blocks of this many columns (see `row_argmax`).
+# Row argmax in two passes over blocks of this many columns (see `row_argmax`), for batches
+# of at least _ARGMAX_MIN_ROWS rows: at batch 1 inside the engine it measured slower than
+# torch's argmax (0.19 vs 0.11 ms per step), at 64 rows faster (0.9 vs 2.8 ms).
 _ARGMAX_BLOCK = 512
+_ARGMAX_MIN_ROWS = 8
 
 
 def _splitmix64(x: int) -> int:
@@ -149,7 +152,7 @@ def row_argmax(x: Tensor) -> Tensor:
     scalar argmax then runs over that block alone."""
     rows, cols = x.shape
     num_blocks = cols // _ARGMAX_BLOCK
-    if x.device.type != "cpu" or num_blocks < 2 or not x.is_floating_point():
+    if x.device.type != "cpu" or num_blocks < 2 or rows < _ARGMAX_MIN_ROWS or not x.is_floating_point():
         return x.argmax(dim=-1)
     main = x[:, :num_blocks * _ARGMAX_BLOCK].view(rows, num_blocks, _ARGMAX_BLOCK)
     block_max = main.amax(dim=-1)  # [rows, blocks]

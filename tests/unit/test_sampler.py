@@ -206,8 +206,10 @@ def test_unseeded_rows_still_vary():
 # ---- row_argmax: the blocked CPU argmax the greedy path uses (issue 12) --------------------
 
 @pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000, 513, 300])
-def test_row_argmax_equals_torch_argmax_with_ties_nan_and_inf(vocab):
+def test_row_argmax_equals_torch_argmax_with_ties_nan_and_inf(vocab, monkeypatch):
+    import deepinfer.runtime.sampler as sampler_module
     from deepinfer.runtime.sampler import row_argmax
+    monkeypatch.setattr(sampler_module, "_ARGMAX_MIN_ROWS", 1)  # the blocked path for every batch
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=gen)
     x[0, 5] = x[0, 9] = x[0, vocab - 1] = 100.0  # tie: the first index wins
