@@ -114,31 +114,66 @@ def summary(rows: list[dict]) -> dict:
             "mean_decode_tok_s": statistics.fmean(decode) if decode else None}
 
 
-def spec_counters(llm: LLM) -> tuple[int, int, int]:
+# ---- shared with spec_vs_vllm.py: the workload flags, the alternating timing loop, counters
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens")  # vLLM's names, without its prefix
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The code-editing workload's flags (both benchmarks build it with `code_tasks`)."""
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--min-lines", type=int, default=8)
+    parser.add_argument("--max-lines", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+
+
+def alternate(engines: dict, num_items: int, batch: int, on_batch=None) -> dict[str, list]:
+    """Runs items [i, i + batch) on every engine in turn (`engines[name](start, stop)` returns
+    that slice's results), batch after batch: the engines alternate, so drift of a shared
+    machine hits them alike. `on_batch(start, results)` reports progress."""
+    results: dict[str, list] = {name: [] for name in engines}
+    for start in range(0, num_items, batch):
+        stop = min(start + batch, num_items)
+        for name, run_slice in engines.items():
+            results[name] += run_slice(start, stop)
+        if on_batch is not None:
+            on_batch(start, results)
+    return results
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Drafts, accepted tokens, mean acceptance length and acceptance rate between two
+    snapshots of the spec-decode counters ({} where an engine has none)."""
+    if not all(k in after for k in SPEC_COUNTERS):
+        return {}
+    drafts, draft_tokens, accepted = (after[k] - before.get(k, 0) for k in SPEC_COUNTERS)
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None}
+
+
+def spec_counters(llm: LLM) -> dict:
     s = llm.engine.get_stats()
-    return s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
+    return {k: getattr(s, k) for k in SPEC_COUNTERS}
 
 
 def measure(base: LLM, spec: LLM, prompts: list, params: SamplingParams | list, chat: bool,
             batch: int) -> tuple[dict, list[list[int]]]:
     before = spec_counters(spec)
-    base_out, spec_out = [], []
     if not isinstance(params, list):
         params = [params] * len(prompts)
-    # batch 1 alternates request by request: both engines see the same machine state
-    for i in range(0, len(prompts), batch):
-        base_out += run(base, prompts[i:i + batch], params[i:i + batch], chat)
-        spec_out += run(spec, prompts[i:i + batch], params[i:i + batch], chat)
-    after = spec_counters(spec)
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    out = alternate({"plain": lambda a, b: run(base, prompts[a:b], params[a:b], chat),
+                     "speculative": lambda a, b: run(spec, prompts[a:b], params[a:b], chat)},
+                    len(prompts), batch)
+    base_out, spec_out = out["plain"], out["speculative"]
     plain, fast = summary(request_rates(base_out)), summary(request_rates(spec_out))
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(base_out, spec_out))
     return {
         "batch": batch, "plain": plain, "speculative": fast,
         "speedup_mean_tok_s": fast["mean_tok_s"] / plain["mean_tok_s"],
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        **acceptance(before, spec_counters(spec)),
         "outputs_equal": f"{same}/{len(base_out)}",
     }, [o.outputs[0].token_ids for o in base_out]
 
@@ -154,12 +189,8 @@ def main() -> int:
     parser.add_argument("--num-code-batch1", type=int, default=8)
     parser.add_argument("--num-random-batch1", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--random-prompt-len", type=int, default=256)
-    parser.add_argument("--min-lines", type=int, default=8)
-    parser.add_argument("--max-lines", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
+    add_workload_args(parser)
     args = parser.parse_args()
 
     spec_config = json.loads(args.speculative_config)

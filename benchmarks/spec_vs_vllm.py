@@ -137,11 +137,10 @@ class DeepInferEngine:
         start = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
         wall = time.perf_counter() - start
-        s = self.llm.engine.get_stats()
+        from spec_decode_bench import spec_counters
+
         return {"token_ids": list(out[0].outputs[0].token_ids), "wall_s": wall,
-                "counters": {"spec_decode_num_drafts": s.spec_decode_num_drafts,
-                             "spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
-                             "spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens}}
+                "counters": spec_counters(self.llm)}
 
 
 class LoadSampler:
@@ -167,38 +166,42 @@ class LoadSampler:
 
 
 def summarise(replies: list[dict], before: dict, after: dict) -> dict:
+    from spec_decode_bench import acceptance
+
     rates = [len(r["token_ids"]) / r["wall_s"] for r in replies]
-    row = {"num_requests": len(replies), "output_tokens": sum(len(r["token_ids"]) for r in replies),
-           "mean_tok_s": statistics.fmean(rates), "median_tok_s": statistics.median(rates),
-           "per_request_tok_s": rates}
-    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-            "spec_decode_num_accepted_tokens")
-    if all(k in after for k in keys):
-        drafts, draft_tokens, accepted = (after[k] - before.get(k, 0) for k in keys)
-        row.update(num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
-                   mean_acceptance_length=1 + accepted / drafts if drafts else None,
-                   acceptance_rate=accepted / draft_tokens if draft_tokens else None)
-    return row
+    return {"num_requests": len(replies),
+            "output_tokens": sum(len(r["token_ids"]) for r in replies),
+            "mean_tok_s": statistics.fmean(rates), "median_tok_s": statistics.median(rates),
+            "per_request_tok_s": rates, **acceptance(before, after)}
+
+
+def worker_main() -> int:
+    """In vLLM's venv (no DeepInfer imports): serve requests on stdin."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vllm-worker", action="store_true")
+    parser.add_argument("--worker-spec", default="")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    args = parser.parse_args()
+    return vllm_worker(args.model, args.worker_spec, args.max_model_len)
 
 
 def main() -> int:
+    if "--vllm-worker" in sys.argv[1:]:
+        return worker_main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # the same prompts, flags and alternating loop as DeepInfer's own benchmark
+    from spec_decode_bench import add_workload_args, alternate, code_tasks
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-spec", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--peer-work", default=os.environ.get("PEER_WORK", "/tmp/peers"),
                         help="where ../shared/peers/setup.sh built vLLM and the HF checkpoint")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--min-lines", type=int, default=8)
-    parser.add_argument("--max-lines", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
+    add_workload_args(parser)
     args = parser.parse_args()
-    if args.vllm_worker:
-        return vllm_worker(args.model, args.worker_spec, args.max_model_len)
     if args.threads < 1:
         parser.error("--threads must be positive")
     vllm_python = os.path.join(args.peer_work, "vllm", "bin", "python")
@@ -206,10 +209,6 @@ def main() -> int:
     if not (os.path.exists(vllm_python) and os.path.exists(os.path.join(hf_model, "config.json"))):
         parser.error(f"no vLLM venv / HF checkpoint in {args.peer_work}: run "
                      f"PEER_WORK={args.peer_work} ../shared/peers/setup.sh first")
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from spec_decode_bench import code_tasks  # the same prompts as DeepInfer's own benchmark
 
     from deepinfer import LLM
 
@@ -231,15 +230,18 @@ def main() -> int:
             engines[name] = VllmEngine(vllm_python, hf_model, cfg, args.threads, args.max_model_len,
                                        os.path.join(log_dir, f"spec_vs_vllm_{name}.log"))
         warm = {name: e.generate(*prompts[-1], args.max_tokens) for name, e in engines.items()}
-        replies = {name: [] for name in engines}
+
+        def progress(i: int, replies: dict) -> None:
+            rates = (f"{n} {len(r[-1]['token_ids']) / r[-1]['wall_s']:.1f}"
+                     for n, r in replies.items())
+            print(f"prompt {i}: " + ", ".join(rates), flush=True)
+
         load_before = os.getloadavg()
-        with LoadSampler() as load:
-            for i, (ids, conv) in enumerate(prompts[:-1]):
-                for name, e in engines.items():
-                    replies[name].append(e.generate(ids, conv, args.max_tokens))
-                rates = (f"{n} {len(r[-1]['token_ids']) / r[-1]['wall_s']:.1f}"
-                         for n, r in replies.items())
-                print(f"prompt {i}: " + ", ".join(rates), flush=True)
+        with LoadSampler() as load:  # batch 1: the four engines alternate prompt by prompt
+            replies = alternate({name: (lambda a, b, e=e: [e.generate(*p, args.max_tokens)
+                                                           for p in prompts[a:b]])
+                                 for name, e in engines.items()},
+                                len(prompts) - 1, 1, progress)
         load_after = os.getloadavg()
     finally:
         for e in engines.values():
