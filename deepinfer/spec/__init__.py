@@ -2,7 +2,7 @@
 
     spec_config.py       SpeculativeConfig (vLLM's --speculative-config), pure
     drafter.py           the Drafter interface and the DraftRequest it reads, pure
-    ngram.py             prompt lookup: no weights, pure (numpy)
+    ngram.py             prompt lookup: no weights, an n-gram index per request, pure
     draft_model.py       a smaller model with the same tokenizer and its own paged KV cache
     mtp_drafter.py       DeepSeek-V3's multi-token-prediction layers fed the target's hidden states
     draft_runner.py      runs a drafter model over synthetic scheduled requests
