@@ -27,6 +27,26 @@ def test_kernel_matches_float32_linear(rows):
         _check(kernel, rows, out_features, in_features)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_row_gives_the_same_bits_whatever_the_number_of_rows(num_threads):
+    """A speculative verification step computes several positions of one request as rows of one
+    call; each must equal the same row computed alone, or speculation changes bf16 outputs."""
+    kernel = _kernel()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        gen = torch.Generator().manual_seed(num_threads)
+        for out_features, in_features in [(576, 1536), (49152, 576), (96, 100), (17, 129)]:
+            x = torch.randn(MAX_ROWS, in_features, generator=gen).bfloat16()
+            weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+            alone = torch.cat([kernel(x[i:i + 1], weight, None) for i in range(MAX_ROWS)])
+            for rows in range(2, MAX_ROWS + 1):
+                together = kernel(x[:rows], weight, None)
+                assert torch.equal(together, alone[:rows]), (out_features, in_features, rows)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _check(kernel, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()

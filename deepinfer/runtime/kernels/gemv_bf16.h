@@ -12,12 +12,45 @@
  * unrolled so the accumulators stay in registers (GCC otherwise kept them on the stack). The
  * tail (K not a multiple of 32) uses a zero-filling masked load. */
 #ifdef HAVE_DPBF16
+/* (c0 + c1) + (c2 + c3), then the 16 lanes summed in a fixed tree. The adds are the rounding
+ * builtins, not `+` on vector types: under -ffast-math GCC may reassociate the latter, and did so
+ * differently in different functions (the 1-row and the M-row dots then disagreed in the last
+ * bit). */
+static inline float sum_chains(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+#define GEMV_ADD(a, b) _mm512_add_round_ps((a), (b), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    __m512 v = GEMV_ADD(GEMV_ADD(c0, c1), GEMV_ADD(c2, c3));
+    v = GEMV_ADD(v, _mm512_shuffle_f32x4(v, v, 0x4E));  /* 256-bit halves */
+    v = GEMV_ADD(v, _mm512_shuffle_f32x4(v, v, 0xB1));  /* 128-bit lanes */
+    v = GEMV_ADD(v, _mm512_permute_ps(v, 0x4E));         /* pairs */
+    v = GEMV_ADD(v, _mm512_permute_ps(v, 0xB1));         /* neighbours */
+#undef GEMV_ADD
+    return _mm512_cvtss_f32(v);
+}
+/* Every M sums its products in the order dots_m1_seq (below) does — four chains over the
+ * 32-wide chunks of each 128-wide block (chunk j of a block into chain j), the tail chunks
+ * into chain 0, then (c0 + c1) + (c2 + c3) — so a row's result does not depend on how many
+ * rows share the step (a speculative verification row equals the same position decoded
+ * alone). */
 #define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
 static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                    \
-    __m512 acc[R][M];                                                                           \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();    \
-    for (int k = 0; k < K; k += 32) {                                                           \
+    const int full = K / 128 * 128;                                                             \
+    __m512 acc[4][R][M];                                                                        \
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) acc[j][r][m] = _mm512_setzero_ps(); \
+    for (int k = 0; k < full; k += 128) {                                                       \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                   \
+            __m512i xv[M];                                                                      \
+            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                 \
+                xv[m] = _mm512_loadu_si512((const void *)(x + (int64_t)m * K + k + 32 * j));    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                const __m512i wv = _mm512_loadu_si512((const void *)(w + (int64_t)r * K + k + 32 * j)); \
+                _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                             \
+                    acc[j][r][m] = _mm512_dpbf16_ps(acc[j][r][m], (__m512bh)wv, (__m512bh)xv[m]); \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int k = full; k < K; k += 32) {                                                        \
         const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu                             \
                                            : (__mmask32)((1u << (K - k)) - 1);                  \
         __m512i xv[M];                                                                          \
@@ -27,11 +60,12 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
             const __m512i wv = _mm512_maskz_loadu_epi16(mask,                                   \
                                                         (const void *)(w + (int64_t)r * K + k)); \
             _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                 \
-                acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wv, (__m512bh)xv[m]);         \
+                acc[0][r][m] = _mm512_dpbf16_ps(acc[0][r][m], (__m512bh)wv, (__m512bh)xv[m]);   \
         }                                                                                       \
     }                                                                                           \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) dots[r * M + m] = _mm512_reduce_add_ps(acc[r][m]); \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                     \
+            dots[r * M + m] = sum_chains(acc[0][r][m], acc[1][r][m], acc[2][r][m], acc[3][r][m]); \
 }
 /* One row, one input: four accumulators over alternating 32-wide chunks, so the weight is
  * read front to back (one prefetch stream) with four independent chains. */
@@ -49,7 +83,7 @@ static void dots_m1_seq(const uint16_t *w, const uint16_t *x, int K, float *dots
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k),
                               (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k));
     }
-    dots[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    dots[0] = sum_chains(a0, a1, a2, a3);
 }
 #else
 #define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
