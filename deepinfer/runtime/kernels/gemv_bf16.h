@@ -9,8 +9,9 @@
 /* Each weight row is read front to back, one row after the other: one prefetch stream (reading
  * 8 rows side by side ran ~2x slower from memory on Zen 4). DEFINE_ROW_DOTS dots R rows with
  * the M input rows, dots[r * M + m]; R and M are compile-time constants and the loops fully
- * unrolled so the accumulators stay in registers (GCC otherwise kept them on the stack). The
- * tail (K not a multiple of 32) uses a zero-filling masked load. */
+ * unrolled so the accumulators stay in registers (GCC otherwise kept them on the stack; from
+ * M = 5 the 4 x M chains spill, ~20% slower at M = 8). The tail (K not a multiple of 32) uses a
+ * zero-filling masked load. */
 #ifdef HAVE_DPBF16
 /* (c0 + c1) + (c2 + c3), then the 16 lanes summed in a fixed tree. The adds are the rounding
  * builtins, not `+` on vector types: under -ffast-math GCC may reassociate the latter, and did so
@@ -26,11 +27,11 @@ static inline float sum_chains(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
 #undef GEMV_ADD
     return _mm512_cvtss_f32(v);
 }
-/* Every M sums its products in the order dots_m1_seq (below) does — four chains over the
- * 32-wide chunks of each 128-wide block (chunk j of a block into chain j), the tail chunks
- * into chain 0, then (c0 + c1) + (c2 + c3) — so a row's result does not depend on how many
- * rows share the step (a speculative verification row equals the same position decoded
- * alone). */
+/* Every M, 1 included, sums its products in one order — four chains over the 32-wide chunks of
+ * each 128-wide block (chunk j of a block into chain j; four independent chains while the
+ * weight row is still read front to back), the tail chunks into chain 0, then (c0 + c1) +
+ * (c2 + c3) — so a row's result does not depend on how many rows share the step (a
+ * speculative verification row equals the same position decoded alone). */
 #define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
 static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                    \
     const int full = K / 128 * 128;                                                             \
@@ -67,24 +68,6 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                     \
             dots[r * M + m] = sum_chains(acc[0][r][m], acc[1][r][m], acc[2][r][m], acc[3][r][m]); \
 }
-/* One row, one input: four accumulators over alternating 32-wide chunks, so the weight is
- * read front to back (one prefetch stream) with four independent chains. */
-static void dots_m1_seq(const uint16_t *w, const uint16_t *x, int K, float *dots) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int k = 0;
-    for (; k + 128 <= K; k += 128) {
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + k + 64), (__m512bh)_mm512_loadu_si512(x + k + 64));
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + k + 96), (__m512bh)_mm512_loadu_si512(x + k + 96));
-    }
-    for (; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k),
-                              (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k));
-    }
-    dots[0] = sum_chains(a0, a1, a2, a3);
-}
 #else
 #define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
 static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                    \
@@ -99,13 +82,11 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
 #endif
 
 typedef void (*row_dots_fn)(const uint16_t *, const uint16_t *, int, float *);
-#ifndef HAVE_DPBF16
-DEFINE_ROW_DOTS(dots_m1_seq, 1, 1)
-#endif
+DEFINE_ROW_DOTS(dots_m1, 1, 1)
 DEFINE_ROW_DOTS(dots_m2, 1, 2) DEFINE_ROW_DOTS(dots_m3, 1, 3) DEFINE_ROW_DOTS(dots_m4, 1, 4)
 DEFINE_ROW_DOTS(dots_m5, 1, 5) DEFINE_ROW_DOTS(dots_m6, 1, 6) DEFINE_ROW_DOTS(dots_m7, 1, 7)
 DEFINE_ROW_DOTS(dots_m8, 1, 8)
-static const row_dots_fn ROW_FN[GEMV_MAX_M + 1] = {0, dots_m1_seq, dots_m2, dots_m3, dots_m4,
+static const row_dots_fn ROW_FN[GEMV_MAX_M + 1] = {0, dots_m1, dots_m2, dots_m3, dots_m4,
                                               dots_m5, dots_m6, dots_m7, dots_m8};
 
 
