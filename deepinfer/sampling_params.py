@@ -14,6 +14,13 @@ class SamplingParams:
     Semantics follow vLLM: `temperature == 0` is greedy; `ignore_eos` keeps generating past EOS
     (EOS can still be sampled); `min_tokens` masks EOS and stop tokens until reached;
     `logprobs=k` returns the sampled token's log-probability and the top-k alternatives.
+
+    Logit processing (vLLM's order, before temperature): `allowed_token_ids` keeps only those
+    tokens; `logit_bias` adds to a token's logit; `repetition_penalty` divides a positive
+    logit (multiplies a negative one) of every token seen in the prompt or the output;
+    `frequency_penalty` subtracts per occurrence in the output and `presence_penalty` once
+    per token present in the output (OpenAI's definitions). Applied per sampled position,
+    including every verification position of speculative decoding.
     """
 
     n: int = 1
@@ -30,12 +37,21 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -58,6 +74,15 @@ class SamplingParams:
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 100.0, "repetition_penalty must be in (0, 100]"),
+            (all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
+             "logit_bias values must be in [-100, 100]"),
+            (all(k >= 0 for k in (self.logit_bias or {})), "logit_bias keys must be token ids"),
+            (self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids"),
         ]
         for ok, message in checks:
             if not ok:
@@ -66,3 +91,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads the tokens before the position (the penalties)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any of the logit processing above applies (min_tokens aside)."""
+        return self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None

@@ -279,6 +279,8 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             eos_token_ids=request.eos_token_ids,
             num_draft_tokens=num_drafts,
+            history_token_ids=list(request.all_token_ids)
+            if request.sampling_params.uses_history else None,
         )
 
     # ---- speculative decoding --------------------------------------------------------------

@@ -25,6 +25,10 @@ class ScheduledRequest:
     num_output_tokens: int  # tokens generated so far (for min_tokens / seeds)
     eos_token_ids: tuple[int, ...] = ()
     num_draft_tokens: int = 0
+    # Prompt + output tokens before the sampled position, for requests whose sampling reads
+    # them (penalties: SamplingParams.uses_history); None otherwise. The last
+    # `num_output_tokens` are the output.
+    history_token_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:

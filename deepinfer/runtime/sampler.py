@@ -49,7 +49,7 @@ class Sampler:
     def sample(self, logits: Tensor, requests: list[ScheduledRequest]
                ) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """logits [N, V] float32, one row per request in `requests`."""
-        self.mask_min_tokens(logits, requests)
+        self.process_logits(logits, requests)
         token_list = self.sample_tokens(logits, requests).tolist()
         logprobs = self._logprobs(logits, requests, token_list)
         return token_list, logprobs
@@ -58,7 +58,7 @@ class Sampler:
                     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Like `sample`, but rows may share a request (one row per output position): the
         log-probs come back per row (None where the request asks for none)."""
-        self.mask_min_tokens(logits, rows)
+        self.process_logits(logits, rows)
         tokens = self.sample_tokens(logits, rows).tolist()
         return tokens, self.row_logprobs(logits, rows, tokens)
 
@@ -77,6 +77,22 @@ class Sampler:
             idx = torch.tensor(rand, device=logits.device)
             tokens[idx] = self._sample_random(logits[idx], [requests[i] for i in rand])
         return tokens
+
+    @staticmethod
+    def process_logits(logits: Tensor, rows: list[ScheduledRequest]) -> None:
+        """In place, before temperature: allowed_token_ids, logit_bias, the min_tokens mask,
+        then the penalties (vLLM's order). Each row is one output position: its penalties
+        count the tokens of its own `history_token_ids` (the scheduler's, plus the drafts
+        accepted before it in a verification), never a per-step snapshot."""
+        if any(r.sampling_params.processes_logits for r in rows):
+            for i, r in enumerate(rows):
+                if r.sampling_params.processes_logits:
+                    apply_logit_processing(logits[i], r)
+        Sampler.mask_min_tokens(logits, rows)
+        if any(r.sampling_params.uses_history for r in rows):
+            for i, r in enumerate(rows):
+                if r.sampling_params.uses_history:
+                    apply_penalties(logits[i], r)
 
     @staticmethod
     def mask_min_tokens(logits: Tensor, requests: list[ScheduledRequest]) -> None:
@@ -142,6 +158,42 @@ class Sampler:
                 rank=int((logp[j] > token_lp).sum()) + 1,
                 top_token_ids=top_ids[j, :k].tolist(), top_logprobs=top_vals[j, :k].tolist())
         return out
+
+
+def apply_logit_processing(row: Tensor, r: ScheduledRequest) -> None:
+    """allowed_token_ids, then logit_bias, on one [V] logits row in place."""
+    params = r.sampling_params
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[keep]
+        row.fill_(float("-inf"))
+        row[keep] = kept
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
+
+
+def apply_penalties(row: Tensor, r: ScheduledRequest) -> None:
+    """Repetition (prompt and output), frequency and presence (output) penalties on one [V]
+    logits row in place, as vLLM defines them."""
+    params = r.sampling_params
+    history = r.history_token_ids
+    if history is None:
+        raise ValueError(f"request {r.request_id}: penalties need history_token_ids")
+    vocab = row.shape[0]
+    tokens = torch.tensor(history, dtype=torch.long, device=row.device)
+    num_prompt = len(history) - r.num_output_tokens
+    output_counts = torch.bincount(tokens[num_prompt:], minlength=vocab)[:vocab].to(row.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[tokens[tokens < vocab]] = True
+        penalty = params.repetition_penalty
+        penalised = torch.where(row > 0, row / penalty, row * penalty)
+        row.copy_(torch.where(seen, penalised, row))
+    if params.frequency_penalty != 0.0:
+        row -= params.frequency_penalty * output_counts
+    if params.presence_penalty != 0.0:
+        row -= params.presence_penalty * (output_counts > 0).to(row.dtype)
 
 
 def row_argmax(x: Tensor) -> Tensor:

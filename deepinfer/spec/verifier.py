@@ -36,6 +36,15 @@ class _Group:
         return 1 + self.request.num_draft_tokens
 
 
+def _position_row(r: ScheduledRequest, j: int) -> ScheduledRequest:
+    """Row j of a verification: output position num_output_tokens + j, after drafts [:j]
+    (the tokens a penalty at that position counts when those drafts are accepted)."""
+    history = r.history_token_ids
+    return dataclasses.replace(
+        r, num_output_tokens=r.num_output_tokens + j,
+        history_token_ids=None if history is None else history + r.draft_token_ids[:j])
+
+
 class SpecVerifier:
     def __init__(self, sampler: Sampler, drafter: Drafter,
                  on_hidden: HiddenObserver | None = None) -> None:
@@ -54,7 +63,7 @@ class SpecVerifier:
             return result
         index = torch.tensor(flat_rows, dtype=torch.long, device=hidden.device)
         logits = model.compute_logits(hidden[index])  # [R, vocab] fp32
-        self.sampler.mask_min_tokens(logits, rows)
+        self.sampler.process_logits(logits, rows)
         tokens = self._sample(logits, rows, groups)
         lp_rows = [g.first_row + j for g in groups for j in range(len(tokens[id(g)]))]
         lp_reqs = [rows[i] for i in lp_rows]
@@ -89,8 +98,7 @@ class SpecVerifier:
                 group = _Group(r, len(rows))
                 groups.append(group)
                 flat_rows.extend(range(end - group.num_rows, end))
-                rows.extend(r if j == 0 else dataclasses.replace(
-                    r, num_output_tokens=r.num_output_tokens + j) for j in range(group.num_rows))
+                rows.extend(r if j == 0 else _position_row(r, j) for j in range(group.num_rows))
             offset = end
         return groups, rows, flat_rows
 
