@@ -163,7 +163,15 @@ class LlamaForCausalLM(nn.Module):
         (bf16 steps are 0.125 near a logit of 25), which turns close top tokens into exact
         ties. The top `NUM_EXACT_LOGITS` of each row are therefore recomputed in fp32 from
         the same weights: greedy picks and top probabilities are exact, the tail stays rounded.
+        A packed head whose small-batch kernel takes the rows (CPU, <= 8 rows) gives fp32
+        logits directly (its dots are fp32 before any rounding): no rounding, no recompute.
         """
+        head = self.logits_linear if self.logits_linear is not None else self.lm_head
+        logits_f32 = getattr(head, "logits_f32", None)
+        if logits_f32 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
+            logits = logits_f32(hidden)
+            if logits is not None:
+                return logits
         weight = self.model.embed_tokens.weight if self.lm_head is None else self._plain_lm_head[0].weight
         if self.logits_linear is not None:
             logits = self.logits_linear(hidden).float()  # [N, vocab]

@@ -48,6 +48,16 @@ class PackedLinear(nn.Module):
         self.small_batch = small_batch
         self.plain_weight = linear.weight.detach() if small_batch is not None else None
 
+    def logits_f32(self, x: Tensor) -> Tensor | None:
+        """x @ weight.T in float32 from the small-batch kernel (no bias; for an LM head), or
+        None when that kernel does not take `x` (then use forward). Rows <= the kernel's
+        MAX_ROWS, not SMALL_BATCH_ROWS: a row's logits must not depend on how many rows share
+        the call (a speculative verification row == the same position decoded alone)."""
+        if (self.small_batch is None or self.bias is not None
+                or not self.small_batch.applies(x, self.plain_weight)):
+            return None
+        return self.small_batch.dots_f32(x, self.plain_weight)
+
     def forward(self, x: Tensor) -> Tensor:
         if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
                 and self.small_batch.applies(x, self.plain_weight)):

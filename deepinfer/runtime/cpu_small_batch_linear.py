@@ -24,6 +24,7 @@ _P, _INT = ctypes.c_void_p, ctypes.c_int
 # (N, K): a single output, widths below / at / above the 32-wide vector, the model's shapes.
 _SELF_TEST_SHAPES = [(1, 1), (17, 31), (33, 32), (64, 33), (70, 100), (300, 576), (129, 1536)]
 _TOL = 1e-2  # one bf16 rounding of a float32 sum on each side
+_TOL_F32 = 1e-4  # fp32 sums in another order (K <= 1536 products of unit scale)
 
 
 class SmallBatchLinear:
@@ -31,6 +32,9 @@ class SmallBatchLinear:
         self._fn = lib.small_batch_linear_bf16
         self._fn.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT]
         self._fn.restype = _INT
+        self._dots_f32 = lib.small_batch_dots_f32
+        self._dots_f32.argtypes = [_P, _P, _P, _INT, _INT, _INT, _INT]
+        self._dots_f32.restype = _INT
         self.uses_dpbf16 = bool(lib.small_batch_linear_uses_dpbf16())
 
     @staticmethod
@@ -48,6 +52,19 @@ class SmallBatchLinear:
                       out.data_ptr(), num, out_features, in_features, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"small-batch linear kernel failed (code {rc})")
+        return out
+
+
+    def dots_f32(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x [M, K] (M <= MAX_ROWS), weight [N, K], bf16 -> x @ weight.T [M, N] in float32,
+        not rounded to bf16 (the LM head: exact enough to rank the top tokens)."""
+        num, in_features = x.shape
+        out_features = weight.shape[0]
+        out = torch.empty(num, out_features, dtype=torch.float32)
+        rc = self._dots_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num, out_features,
+                            in_features, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"small-batch fp32 dots kernel failed (code {rc})")
         return out
 
 
@@ -71,6 +88,10 @@ def small_batch_linear_mismatch(kernel: SmallBatchLinear) -> str | None:
                         problem = mismatch(kernel(x, weight, b), want, _TOL, _TOL, case)
                         if problem is not None:
                             return problem
+                    problem = mismatch(kernel.dots_f32(x, weight), F.linear(x.float(), weight.float()),
+                                       _TOL_F32, _TOL_F32, f"fp32 dots, {case}")
+                    if problem is not None:
+                        return problem
     finally:
         torch.set_num_threads(old_threads)
     return None

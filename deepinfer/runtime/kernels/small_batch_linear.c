@@ -29,6 +29,23 @@ int small_batch_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t
     return 0;
 }
 
+/* The same dots left in float32, no bias: out [M, N] float. For the LM head, whose logits
+ * torch would round to bf16 (ties among the top tokens) and then recompute in fp32: the dots
+ * are fp32 already. A row's values do not depend on M (every M sums in the 1-row order). */
+int small_batch_dots_f32(const uint16_t *x, const uint16_t *w, float *out, int M, int N, int K,
+                         int num_threads) {
+    if (M < 1 || M > MAX_M) return 1;
+    const int64_t work = (int64_t)N * K;
+    const row_dots_fn row_fn = ROW_FN[M];
+    _Pragma("omp parallel for num_threads(num_threads) if(work >= 65536) schedule(static)")
+    for (int n = 0; n < N; n++) {
+        float dots[MAX_M];
+        row_fn(w + (int64_t)n * K, x, K, dots);
+        for (int m = 0; m < M; m++) out[(int64_t)m * N + n] = dots[m];
+    }
+    return 0;
+}
+
 /* 1 when this build uses vdpbf16ps (for logs and tests). */
 int small_batch_linear_uses_dpbf16(void) {
 #ifdef HAVE_DPBF16
