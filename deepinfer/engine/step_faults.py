@@ -56,8 +56,8 @@ def pin_step_fault(execute: Callable[[SchedulerOutput], object], output: Schedul
     ids = [s.request_id for s in output.scheduled]
     if isinstance(exc, RequestFault):
         return {i: describe(exc) for i in exc.request_ids if i in ids}
-    if len(ids) == 1:
-        return {ids[0]: describe(exc)}
+    if not num_probes(output, exc):
+        return {ids[0]: describe(exc)} if ids else {}
     culprits = {}
     for sched in output.scheduled:
         alone = SchedulerOutput([sched], sched.num_new_tokens)
@@ -68,6 +68,14 @@ def pin_step_fault(execute: Callable[[SchedulerOutput], object], output: Schedul
     if len(culprits) == len(ids):
         return {}  # every request fails: the engine is broken, not one request
     return culprits
+
+
+def num_probes(output: SchedulerOutput, exc: Exception) -> int:
+    """How many re-runs `pin_step_fault` makes for this fault (an expert-parallel group runs
+    as many lockstep steps while one rank pins its fault: ep/lockstep_faults.py)."""
+    if isinstance(exc, RequestFault) or len(output.scheduled) <= 1:
+        return 0
+    return len(output.scheduled)
 
 
 def isolate_step_faults(engine, role: str | None = None) -> None:

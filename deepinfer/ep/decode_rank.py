@@ -8,7 +8,8 @@ Each rank is an ordinary decode worker to the front (own id, own KV cache, own l
 so the decode router balances requests and KV tokens per rank, as DeepSeek does), but its MoE
 layers hold only its expert slots and the group steps in lockstep: every iteration starts with
 one all-reduce of a small header, so all ranks take the same branch, and a rank with nothing
-to decode runs an empty step (the same collectives with no tokens).
+to decode runs an empty step (the same collectives with no tokens). A step that raises on
+one rank fails only its culprit request(s), agreed by the whole group (ep/lockstep_faults.py).
 """
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.ep.ep_config import EPConfig
+from deepinfer.ep.lockstep_faults import LockstepStepFaults
 from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class EPDecodeWorkerLoop(DecodeWorkerLoop):
         super().__init__(spec, engine, input_socket, output_socket, transport)
         self.runtime = runtime
         self.rank_group = rank_group
+        self.step_faults = LockstepStepFaults(engine, runtime, rank_group, spec.role)
         self._group_busy = False
         self._group_background = False
         self._shutdown = False
@@ -88,8 +89,7 @@ class EPDecodeWorkerLoop(DecodeWorkerLoop):
             self.after_step(outputs)
             self._dirty = self._dirty or bool(outputs)
         else:
-            with torch.inference_mode():
-                self.runtime.run_empty_step()
+            self.step_faults.run_empty_step()
         report = self.runtime.end_step(False)
         if report is not None and self.rank_group.rank == 0:  # the same on every rank
             self.output_socket.send(self.encoder.encode(WorkerEPLBStats(

@@ -28,7 +28,7 @@ from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_front_
 from deepinfer.ep.ep_metrics import record_rebalance
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError, exit_message
+from deepinfer.server.engine_client import EngineDeadError, RequestFailedError, exit_message
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
                                        EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder)
@@ -325,7 +325,9 @@ class DataParallelClient:
         for error in message.errors:
             track = self._tracks.get(error.request_id)
             if track is not None and track.rank is handle:
-                track.queue.put_nowait(_Failed(ValueError(error.message), group_lost=False))
+                failure = (RequestFailedError(error.message, error.engine_fault) if error.failed
+                           else ValueError(error.message))  # a failed step, or a rejection
+                track.queue.put_nowait(_Failed(failure, group_lost=False))
 
     async def _on_group_lost(self, group: GroupHandle, incarnation: int, reason: str) -> None:
         if group.incarnation != incarnation or not group.healthy or self._closing:

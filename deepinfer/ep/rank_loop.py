@@ -9,6 +9,8 @@ rank runs one step (its own batch, or an empty step with the same MoE collective
 shutdown -> all leave together; any rebalance request -> all rebalance at the same step.
 Nothing in the loop waits on the front; a collective that waits on a dead or stuck peer fails
 after the group's timeout and the rank exits (the front then takes the group out of routing).
+A step that raises on one rank fails only its culprit request(s), agreed by the whole group
+(ep/lockstep_faults.py); the group goes on.
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ import logging
 import os
 import time
 
-import torch
-
+from deepinfer.ep.lockstep_faults import LockstepStepFaults
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_rank_decoder
 from deepinfer.ep.process_group import RankGroup
 from deepinfer.moe.expert_parallel import ExpertParallelRuntime
@@ -34,6 +35,7 @@ class RankLoop(EngineLoop):
         super().__init__(engine, input_socket, output_socket, parent_pid)
         self.runtime = runtime
         self.rank_group = rank_group
+        self.step_faults = LockstepStepFaults(engine, runtime, rank_group)
         self.decoder = make_rank_decoder()
         self._shutdown = False
         self._rebalance = False
@@ -67,10 +69,10 @@ class RankLoop(EngineLoop):
     def _step(self, busy: bool, force_rebalance: bool) -> None:
         if busy:
             outputs = self.engine.step()  # an empty schedule runs the empty step (runner hook)
+            self._take_failures()
             deltas = [self.tracker.to_delta(o) for o in outputs]
         else:
-            with torch.inference_mode():
-                self.runtime.run_empty_step()
+            self.step_faults.run_empty_step()
             deltas = []
         self._report(self.runtime.end_step(force_rebalance))
         if busy or deltas or self._pending_errors or self._stats_dirty or \

@@ -12,6 +12,7 @@ copies, so which one computes a pair never changes the result.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +20,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.moe.dispatch import ExpertBatch, TokenDispatcher
+
+
+@dataclass
+class ForwardProgress:
+    """How far this rank's forward got through the step's MoE collectives, so a forward that
+    raises can join the layers it did not reach (`ExpertParallelRuntime.finish_failed_forward`)."""
+
+    layers_done: int = 0
+    in_collective: bool = False  # raised between a layer's dispatch and its combine
 
 
 class ExpertParallelExperts(nn.Module):
@@ -51,6 +61,7 @@ class ExpertParallelExperts(nn.Module):
         # CPU seconds this rank spent in its experts (thread time: immune to time slicing), the
         # quantity EPLB balances; read and reset by the runtime at each rebalance.
         self.compute_cpu_s = 0.0
+        self.progress: ForwardProgress | None = None  # shared by a runtime's layers
 
     # ---- placement ---------------------------------------------------------------------------
     @property
@@ -95,8 +106,15 @@ class ExpertParallelExperts(nn.Module):
         slots = self.physical_slots(topk_ids)  # [T, k]
         if slots.numel():
             self.slot_load += torch.bincount(slots.reshape(-1), minlength=self.num_physical)
+        progress = self.progress
+        if progress is not None:
+            progress.in_collective = True
         batch, handle = self.dispatcher.dispatch(x, slots, topk_weights)
-        return self.dispatcher.combine(self.compute(batch, x.dtype), handle)
+        out = self.dispatcher.combine(self.compute(batch, x.dtype), handle)
+        if progress is not None:
+            progress.in_collective = False
+            progress.layers_done += 1
+        return out
 
     def run_empty(self, hidden_size: int, dtype: torch.dtype, k: int) -> None:
         """This layer's collectives with no tokens (a rank with nothing to run this step)."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deepinfer.moe.dispatch import make_dispatcher
-from deepinfer.moe.ep_experts import ExpertParallelExperts
+from deepinfer.moe.ep_experts import ExpertParallelExperts, ForwardProgress
 from deepinfer.moe.eplb import balancedness, placement_from_phy2log
 from deepinfer.moe.eplb_config import EPLBConfig
 from deepinfer.moe.layer import SparseMoEBlock
@@ -55,6 +55,7 @@ class ExpertParallelRuntime:
         slots_per_rank = self.num_physical // world_size
         comm = make_dispatcher(dispatcher, rank, world_size, slots_per_rank, group)
         self.layers: list[ExpertParallelExperts] = []
+        self.progress = ForwardProgress()
         for i, block in enumerate(blocks):
             full = block.experts
             hidden = full.gate_up_proj.shape[2]
@@ -65,6 +66,7 @@ class ExpertParallelRuntime:
             layer.set_mapping(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i])
             if load_slots:
                 layer.load_local_slots(full.gate_up_proj, full.down_proj)
+            layer.progress = self.progress
             block.experts = layer  # the full stack is dropped here
             self.layers.append(layer)
         self.hidden_size = hidden
@@ -87,6 +89,25 @@ class ExpertParallelRuntime:
     def run_empty_step(self) -> None:
         for layer in self.layers:
             layer.run_empty(self.hidden_size, self.dtype, self.top_k)
+
+    def begin_forward(self) -> None:
+        self.progress.layers_done, self.progress.in_collective = 0, False
+
+    @torch.inference_mode()
+    def finish_failed_forward(self) -> bool:
+        """After this rank's forward raised (since `begin_forward`): run the MoE layers it did
+        not reach with no tokens, so its peers' forwards complete. False when it raised inside
+        a layer's dispatch/combine: the group's collectives can no longer be matched."""
+        if self.progress.in_collective:
+            return False
+        for layer in self.layers[self.progress.layers_done:]:
+            layer.run_empty(self.hidden_size, self.dtype, self.top_k)
+        return True
+
+    def discard_step_loads(self) -> None:
+        """A failed step counts no load (its requests are recomputed)."""
+        for layer in self.layers:
+            layer.slot_load.zero_()
 
     def end_step(self, force_rebalance: bool = False) -> RebalanceReport | None:
         """After every group step (forward or empty): record loads; rebalance on schedule."""
