@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
           f"{model.metadata['load_average_at_end']:.1f})")
     for name, value in model.coefficients.items():
         print(f"  {name:20s} {value:.4g} s/unit")
+    if model.small_decode is not None:
+        print(f"decode-only steps of <= {model.small_decode.max_rows} rows (fused decode stack):")
+        for name, value in model.small_decode.model.coefficients.items():
+            print(f"  {name:20s} {value:.4g} s/unit")
     meta = model.metadata
     print(f"fit-set abs error:  median {meta['fit_median_abs_pct_error']:.1f}%, "
           f"p90 {meta['fit_p90_abs_pct_error']:.1f}%")

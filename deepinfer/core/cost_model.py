@@ -24,6 +24,13 @@ Coefficients are seconds per feature unit, fitted on measured steps (a *profile*
 non-negative least squares on relative error, so short decode steps count as much as long
 prefills. `StepCostEstimate` is the incremental form the scheduler's budget uses: O(1) per
 added request, plus the largest chunk that fits in a time limit (a quadratic in x).
+
+Piecewise where the engine is: a profile may carry a second coefficient set for *small decode*
+steps (only decodes, at most `max_rows` of them). The CPU engine runs those through a fused C
+decode stack (runtime/cpu_decode_stack.py, ~1.5x cheaper per token than the per-op path that
+larger decode steps, prefills and mixed steps take), so one linear fit through both regimes
+over-predicts one and under-predicts the other. Profile format v2 stores that regime; v1
+profiles (one regime) still load.
 """
 from __future__ import annotations
 
@@ -38,7 +45,9 @@ from deepinfer.core.model_shape import ModelShape
 
 FEATURE_NAMES = ("linear_flops", "attention_flops", "bytes_moved", "decode_kv_bytes",
                  "num_requests", "step")
-PROFILE_FORMAT = "deepinfer.cost_profile.v1"
+PROFILE_FORMAT = "deepinfer.cost_profile.v2"
+PROFILE_FORMATS = ("deepinfer.cost_profile.v1", PROFILE_FORMAT)  # readable
+MIN_REGIME_SAMPLES = 4  # fewer measured small-decode steps: one fit for all steps
 
 
 @dataclass(frozen=True)
@@ -71,12 +80,32 @@ class PredictionError:
     num_samples: int
 
 
+@dataclass(frozen=True)
+class SmallDecodeRegime:
+    """Steps of only decodes, at most `max_rows` of them, cost by their own `model` (one
+    regime, no nested regimes)."""
+
+    max_rows: int
+    model: "CostModel"
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError(f"small-decode regime needs max_rows >= 1, got {self.max_rows}")
+        if self.model.small_decode is not None:
+            raise ValueError("a regime's model cannot have regimes itself")
+
+    def applies(self, chunks: Sequence[ChunkShape]) -> bool:
+        return 0 < len(chunks) <= self.max_rows and all(c.num_new_tokens == 1 for c in chunks)
+
+
 class CostModel:
-    """Step time = Σ coefficient[f] · feature[f]; coefficients are >= 0 seconds per unit."""
+    """Step time = Σ coefficient[f] · feature[f]; coefficients are >= 0 seconds per unit.
+    With `small_decode`, steps it applies to use its coefficients instead."""
 
     def __init__(self, shape: ModelShape, coefficients: dict[str, float], *,
                  metadata: dict[str, Any] | None = None,
-                 holdout_error: PredictionError | None = None) -> None:
+                 holdout_error: PredictionError | None = None,
+                 small_decode: SmallDecodeRegime | None = None) -> None:
         unknown = set(coefficients) - set(FEATURE_NAMES)
         if unknown:
             raise ValueError(f"unknown cost features: {sorted(unknown)}")
@@ -87,6 +116,7 @@ class CostModel:
         self.coefficients = coef
         self.metadata = dict(metadata or {})
         self.holdout_error = holdout_error
+        self.small_decode = small_decode
         # Seconds per unit of the per-request sums StepCostEstimate keeps.
         self.s_per_token = coef["linear_flops"] * 2 * shape.active_params
         self.s_per_attn_pair = coef["attention_flops"] * shape.attention_flops_per_pair
@@ -142,6 +172,38 @@ class CostModel:
         x = nonnegative_least_squares(rows, np.ones(len(samples)))
         return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())), metadata=metadata)
 
+    @classmethod
+    def fit_piecewise(cls, shape: ModelShape, samples: Sequence[StepSample],
+                      small_decode_max_rows: int | None, *,
+                      metadata: dict[str, Any] | None = None) -> "CostModel":
+        """`fit` per regime: decode-only steps of <= `small_decode_max_rows` rows get their own
+        coefficients, every other step the main ones. One fit for all steps when
+        `small_decode_max_rows` is None or either side has too few samples to fit."""
+        if small_decode_max_rows is None:
+            return cls.fit(shape, samples, metadata=metadata)
+        probe = SmallDecodeRegime(small_decode_max_rows, cls(shape, {}))
+        small = [s for s in samples if probe.applies(s.chunks)]
+        rest = [s for s in samples if s.chunks and not probe.applies(s.chunks)]
+        if len(small) < MIN_REGIME_SAMPLES or len(rest) < len(FEATURE_NAMES):
+            return cls.fit(shape, samples, metadata=metadata)
+        main = cls.fit(shape, rest, metadata=metadata)
+        main.small_decode = SmallDecodeRegime(small_decode_max_rows,
+                                              cls.fit_nonempty(shape, small))
+        return main
+
+    @classmethod
+    def fit_nonempty(cls, shape: ModelShape, samples: Sequence[StepSample]) -> "CostModel":
+        """`fit` without the minimum sample count: for a regime whose steps vary in fewer
+        features than FEATURE_NAMES (decodes only), where NNLS still gives one solution's
+        predictions."""
+        times = np.array([s.step_time_s for s in samples])
+        if not len(samples) or (times <= 0).any():
+            raise ValueError("need some samples with positive step times")
+        probe = cls(shape, {})
+        rows = np.stack([probe.features(s.chunks) for s in samples]) / times[:, None]
+        x = nonnegative_least_squares(rows, np.ones(len(samples)))
+        return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())))
+
     # -- profile (de)serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -150,6 +212,9 @@ class CostModel:
             "coefficients": dict(self.coefficients),
             "metadata": dict(self.metadata),
         }
+        if self.small_decode is not None:
+            data["small_decode"] = {"max_rows": self.small_decode.max_rows,
+                                    "coefficients": dict(self.small_decode.model.coefficients)}
         if self.holdout_error is not None:
             data["holdout_median_abs_pct_error"] = self.holdout_error.median_abs_pct_error
             data["holdout_p90_abs_pct_error"] = self.holdout_error.p90_abs_pct_error
@@ -158,31 +223,69 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in PROFILE_FORMATS:
             raise ValueError(f"not a cost profile (expected format {PROFILE_FORMAT!r})")
         holdout = None
         if "holdout_median_abs_pct_error" in data:
             holdout = PredictionError(float(data["holdout_median_abs_pct_error"]),
                                       float(data["holdout_p90_abs_pct_error"]),
                                       int(data.get("holdout_num_samples", 0)))
-        return cls(ModelShape.from_dict(data.get("model_shape", {})),
-                   dict(data.get("coefficients", {})), metadata=data.get("metadata"),
-                   holdout_error=holdout)
+        shape = ModelShape.from_dict(data.get("model_shape", {}))
+        small = data.get("small_decode")
+        regime = None
+        if small is not None:
+            if not isinstance(small, dict) or "max_rows" not in small:
+                raise ValueError("bad small_decode regime in cost profile")
+            regime = SmallDecodeRegime(int(small["max_rows"]),
+                                       cls(shape, dict(small.get("coefficients", {}))))
+        return cls(shape, dict(data.get("coefficients", {})), metadata=data.get("metadata"),
+                   holdout_error=holdout, small_decode=regime)
+
+    def with_shape(self, shape: ModelShape) -> "CostModel":
+        """The same coefficients (and regime) applied to another model shape."""
+        regime = self.small_decode
+        if regime is not None:
+            regime = SmallDecodeRegime(regime.max_rows, CostModel(shape, regime.model.coefficients))
+        return CostModel(shape, self.coefficients, metadata=self.metadata,
+                         holdout_error=self.holdout_error, small_decode=regime)
 
 
 @dataclass
 class StepCostEstimate:
-    """Running sums of one step being built; every method is O(1)."""
+    """Running sums of one step being built; every method is O(1).
+
+    With a small-decode regime both regimes' sums are kept while the step could still be a
+    small decode step; `predicted_time_s` is the one of the regime the step is in now, and
+    `added_time_s` the change in it (a chunk that moves the step out of the regime is charged
+    the difference between the regimes' totals)."""
 
     model: CostModel
     num_requests: int = 0
     predicted_time_s: float = field(default=0.0)
     num_tokens: int = 0
+    _main_s: float = field(default=0.0, repr=False)  # the main coefficients' total
+    _small: "StepCostEstimate | None" = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        regime = self.model.small_decode
+        if regime is not None and self.num_requests == 0:
+            self._small = StepCostEstimate(regime.model)
+
+    def _stays_small(self, num_new_tokens: int) -> bool:
+        regime = self.model.small_decode
+        return (self._small is not None and num_new_tokens == 1
+                and self.num_requests + 1 <= regime.max_rows)
 
     def added_time_s(self, context_len: int, num_new_tokens: int) -> float:
         """Seconds that adding this request's chunk would add to the step (0 for no tokens)."""
         if num_new_tokens <= 0:
             return 0.0
+        if self._stays_small(num_new_tokens):
+            return self._small.added_time_s(context_len, num_new_tokens)
+        return (self._main_s - self.predicted_time_s
+                + self._main_added_time_s(context_len, num_new_tokens))
+
+    def _main_added_time_s(self, context_len: int, num_new_tokens: int) -> float:
         a, b, c = self._quadratic(context_len)
         x = float(num_new_tokens)
         added = (a * x + b) * x + c
@@ -201,7 +304,13 @@ class StepCostEstimate:
     def add(self, context_len: int, num_new_tokens: int) -> None:
         if num_new_tokens <= 0:
             return
-        self.predicted_time_s += self.added_time_s(context_len, num_new_tokens)
+        if self._stays_small(num_new_tokens):
+            self._small.add(context_len, num_new_tokens)
+        else:
+            self._small = None  # the step left the small-decode regime for good
+        self._main_s += self._main_added_time_s(context_len, num_new_tokens)
+        self.predicted_time_s = (self._small.predicted_time_s if self._small is not None
+                                 else self._main_s)
         self.num_requests += 1
         self.num_tokens += num_new_tokens
 
@@ -212,16 +321,17 @@ class StepCostEstimate:
         if max_tokens <= 0:
             return 0
         a, b, c = self._quadratic(context_len)
-        room = time_left_s - c
+        # A chunk of x >= 2 runs in the main regime: it also pays leaving the small one.
+        room = time_left_s - c - (self._main_s - self.predicted_time_s)
         if room < 0:
-            return 0
-        if a > 0:  # a x^2 + b x - room = 0, the stable form of the positive root
+            n = 0
+        elif a > 0:  # a x^2 + b x - room = 0, the stable form of the positive root
             x = 2.0 * room / (b + math.sqrt(b * b + 4.0 * a * room)) if room > 0 else 0.0
+            n = int(min(float(max_tokens), math.floor(x)))
         elif b > 0:
-            x = room / b
+            n = int(min(float(max_tokens), math.floor(room / b)))
         else:
-            return max_tokens
-        n = int(min(float(max_tokens), math.floor(x)))
+            n = max_tokens
         if self.model.s_per_expert_byte and n > 2:
             # The concave expert-read term is not in the quadratic, so n over-estimates: find
             # the largest prefill chunk (added time increases with x for x >= 2) by bisection.
@@ -233,12 +343,15 @@ class StepCostEstimate:
         # Guard the float solve: step down / up by one where rounding put us off the root.
         while n > 0 and self.added_time_s(context_len, n) > time_left_s:
             n -= 1
+        if n == 0 and self.added_time_s(context_len, 1) <= time_left_s:
+            n = 1  # a decode may fit in the small regime where no chunk fits in the main one
         while n < max_tokens and self.added_time_s(context_len, n + 1) <= time_left_s:
             n += 1
         return n
 
     def _quadratic(self, context_len: int) -> tuple[float, float, float]:
-        """(a, b, c) with added time a x^2 + b x + c for x new tokens after context_len."""
+        """(a, b, c) with main-regime added time a x^2 + b x + c for x new tokens after
+        context_len."""
         m = self.model
         p = float(context_len)
         a = m.s_per_attn_pair / 2.0

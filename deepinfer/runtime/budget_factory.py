@@ -78,8 +78,7 @@ def load_cost_profile(path: str, shape: ModelShape | None = None) -> CostModel:
         return model
     logger.warning("cost profile %s was measured for another model shape; using its "
                    "per-FLOP/per-byte coefficients for this model", path)
-    return CostModel(shape, model.coefficients, metadata=model.metadata,
-                     holdout_error=model.holdout_error)
+    return model.with_shape(shape)  # keeps the small-decode regime
 
 
 def profile_cache_dir() -> str:

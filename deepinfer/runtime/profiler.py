@@ -31,7 +31,7 @@ from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-GRID_VERSION = 4
+GRID_VERSION = 5  # 5: decode batches on both sides of the fused decode stack's row limit
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class ProfileGrid:
 
 QUICK_GRID = ProfileGrid(
     name="quick", prefill_tokens=(32, 128, 256), prefill_contexts=(0, 1024, 2048),
-    decode_batch_sizes=(1, 8, 24), decode_contexts=(64, 1024, 2048),
+    decode_batch_sizes=(1, 4, 8, 16, 32), decode_contexts=(64, 1024, 2048),
     mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=10, num_repeats=2, num_warmup=0)
 
 FULL_GRID = ProfileGrid(
@@ -180,11 +180,24 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}"
 
 
+def small_decode_rows(runner) -> int | None:
+    """The most rows of the decode-only steps the runner's model sends to its fused decode
+    stack (None: no stack, every step takes the per-op path)."""
+    inner = getattr(getattr(runner, "model", None), "model", None)
+    stack = getattr(inner, "decode_stack", None)
+    if stack is None:
+        return None
+    from deepinfer.runtime.cpu_decode_stack import MAX_ROWS
+    return MAX_ROWS
+
+
 def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: ProfileGrid, *,
                        metadata: dict | None = None,
                        progress: Callable[[int, int], None] | None = None) -> CostModel:
     """Time `grid` on `runner`, fit on a seeded (1 - holdout_fraction) share, evaluate on the
-    rest. The returned model carries `holdout_error` and metadata (device, threads, grid...)."""
+    rest. The returned model carries `holdout_error` and metadata (device, threads, grid...).
+    Piecewise where the runner is: small decode-only steps get their own coefficients when the
+    model has a fused decode stack."""
     profiler = StepProfiler(runner, vocab_size, seed=grid.seed)
     batches = grid.batches(profiler.max_tokens_per_request)
     load_at_start = os.getloadavg()[0]  # other processes skew CPU timings: record it
@@ -202,9 +215,10 @@ def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: Profile
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "grid": grid.name, "grid_version": GRID_VERSION,
         "num_train_steps": len(train), "num_holdout_steps": len(holdout),
+        "small_decode_rows": small_decode_rows(runner),
         **(metadata or {}),
     }
-    model = CostModel.fit(shape, train, metadata=meta)
+    model = CostModel.fit_piecewise(shape, train, meta["small_decode_rows"], metadata=meta)
     model.holdout_error = model.evaluate(holdout)
     fit_error = model.evaluate(train)
     model.metadata["fit_median_abs_pct_error"] = fit_error.median_abs_pct_error

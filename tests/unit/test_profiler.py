@@ -140,3 +140,32 @@ def test_startup_profile_is_cached_per_shape_dtype_device(tmp_path, monkeypatch)
     second = build_step_budget_policy("compute-aware", runner=second_runner, **kwargs)
     assert second_runner.num_executed == 0  # served from the cache
     assert second.cost_model.coefficients == pytest.approx(first.cost_model.coefficients)
+
+
+def test_profile_is_piecewise_when_the_runner_has_a_fused_decode_stack():
+    """A runner whose model sends decode-only steps of <= 8 rows to a decode stack (cheaper
+    per row): the quick grid measures both sides of the limit and the profile keeps both."""
+    from deepinfer.core.cost_model import SmallDecodeRegime
+    from deepinfer.runtime.profiler import small_decode_rows
+
+    stack = CostModel(SHAPE, {"linear_flops": 5e-10, "bytes_moved": 1e-10, "step": 1e-3})
+    truth = CostModel(SHAPE, TRUTH.coefficients, small_decode=SmallDecodeRegime(8, stack))
+
+    class StackRunner(FakeRunner):
+        model = type("M", (), {"model": type("Inner", (), {"decode_stack": object()})()})()
+
+        def execute(self, output):
+            result = super().execute(output)
+            if not output.is_empty:
+                chunks = [ChunkShape(s.num_computed_tokens, s.num_new_tokens)
+                          for s in output.scheduled]
+                result.step_time_s = truth.predict(chunks)
+            return result
+
+    assert small_decode_rows(FakeRunner()) is None and small_decode_rows(StackRunner()) == 8
+    model = profile_cost_model(StackRunner(), SHAPE, 1000, QUICK_GRID)
+    assert model.small_decode is not None and model.metadata["small_decode_rows"] == 8
+    for step in ([ChunkShape(900, 1)] * 4, [ChunkShape(900, 1)] * 16,
+                 [ChunkShape(1500, 200)] + [ChunkShape(900, 1)] * 3):
+        assert model.predict(step) == pytest.approx(truth.predict(step), rel=0.02)
+    assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))).small_decode is not None
