@@ -97,13 +97,17 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
         asyncio.run(run_benchmark(config, warm.requests))
         load_before = os.getloadavg()[0]
         cpu_before = process_cpu_seconds(proc.pid)
+        workers_before = worker_counters(port)
         run = asyncio.run(run_benchmark(config, workload.requests))
         cpu_after = process_cpu_seconds(proc.pid)
+        workers_after = worker_counters(port)
         summary = summarize(run.results, run.duration_s)
         cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         return {"summary": summary, "hit_rate": run.prefix_cache_hit_rate,
                 "load_before": load_before, "load_after": os.getloadavg()[0],
                 "cpu_s": cpu, "cluster_counters": cluster_counters(port),
+                "workers": {w: {k: v - workers_before.get(w, {}).get(k, 0.0)
+                                for k, v in c.items()} for w, c in workers_after.items()},
                 "first_error": next((r.error for r in run.results if not r.success), None)}
     finally:
         proc.send_signal(signal.SIGINT)
@@ -162,6 +166,49 @@ def cluster_counters(port: int) -> dict[str, float]:
                 out[key] = out.get(key, 0.0) + float(value)
             except ValueError:
                 pass
+    return out
+
+
+WORKER_COUNTERS = ("engine_steps_total", "model_step_seconds_total", "loop_step_seconds_total",
+                   "process_cpu_seconds_total")
+
+
+def worker_counters(port: int) -> dict[str, dict[str, float]]:
+    """Per worker (P/D clusters): engine steps, the runner's seconds in them, the loop's wall
+    seconds around them and the process's CPU seconds, from the front's /metrics."""
+    import httpx
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("deepinfer:cluster_") or 'worker_id="' not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        key = name.split("{")[0][len("deepinfer:cluster_"):]
+        if key in WORKER_COUNTERS:
+            worker = name.split('worker_id="', 1)[1].split('"', 1)[0]
+            out.setdefault(worker, {})[key.removesuffix("_total")] = float(value)
+    return out
+
+
+def worker_breakdown(measured: dict, sim_run) -> dict:
+    """Per P/D worker: measured steps / model seconds / loop seconds / CPU seconds next to the
+    simulator's steps and work, and the measured host work per step (loop - model)."""
+    out = {}
+    for w in sim_run.simulator.workers.values():
+        m = measured.get(w.worker_id)
+        if not m:
+            continue
+        steps = m.get("engine_steps", 0.0)
+        out[w.worker_id] = {
+            "measured": m, "simulated_steps": w.num_steps, "simulated_work_s": w.work_time_s,
+            "measured_host_ms_per_step": (1e3 * (m.get("loop_step_seconds", 0.0)
+                                                 - m.get("model_step_seconds", 0.0)) / steps
+                                          if steps else None),
+            "cpu_vs_simulated_work": (m.get("process_cpu_seconds", 0.0) / w.work_time_s - 1.0
+                                      if w.work_time_s else None)}
     return out
 
 
@@ -296,6 +343,7 @@ def main() -> None:
                 "measured_cpu_s": real["cpu_s"], "cluster_counters": real["cluster_counters"],
                 "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
                 "work_error": work_error(real["cpu_s"], sim_run),
+                "workers": worker_breakdown(real["workers"], sim_run),
                 "errors_at_start_sharing": compare(real["summary"], simulate_workload(
                     sim_cluster(profile, pools, "at-start"), workload).summary()),
                 "errors_measured_sharing": measured_sharing_errors(real["summary"], profile,
@@ -327,6 +375,15 @@ def main() -> None:
                   f" (duration {sim.duration_s:.1f} s); work at full speed (CPU s): " +
                   ", ".join(f"{k} {v:.1f}" for k, v in sim_work(sim_run).items()),
                   flush=True)
+            for worker_id, row in report["cases"][name]["workers"].items():
+                m = row["measured"]
+                print(f"  {worker_id}: measured {m.get('engine_steps', 0):.0f} steps, model "
+                      f"{m.get('model_step_seconds', 0):.2f} s, loop "
+                      f"{m.get('loop_step_seconds', 0):.2f} s (host "
+                      f"{row['measured_host_ms_per_step'] or 0:.2f} ms/step), CPU "
+                      f"{m.get('process_cpu_seconds', 0):.2f} s; simulated "
+                      f"{row['simulated_steps']} steps, work {row['simulated_work_s']:.2f} s",
+                      flush=True)
             werr = report["cases"][name]["work_error"]
             if werr is not None:
                 print(f"  simulated work vs the workers' measured CPU seconds: "

@@ -45,6 +45,14 @@ _COUNTERS = (
     ("engine_step_failures", "Engine steps that raised on this worker and were recovered "
      "from (the requests they were pinned on failed; the rest went on).",
      lambda c: c.num_failed_steps),
+    ("engine_steps", "Engine steps run.", lambda c: c.num_engine_steps),
+    ("model_step_seconds", "Seconds the model runner spent in those steps.",
+     lambda c: c.model_step_seconds_total),
+    ("loop_step_seconds", "Wall seconds of those steps with their output handling and report "
+     "(minus model_step_seconds: the worker's host work per step).",
+     lambda c: c.loop_step_seconds_total),
+    ("process_cpu_seconds", "CPU seconds of the worker process (all threads).",
+     lambda c: c.process_cpu_seconds),
 )
 
 

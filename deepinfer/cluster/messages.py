@@ -148,6 +148,11 @@ class WorkerCounters(msgspec.Struct):
     staged_bytes: int = 0  # gauge
     num_failed_steps: int = 0  # engine steps that raised; the worker carried on
     num_failed_requests: int = 0  # requests failed because of them
+    # Where a worker's time goes (the simulator's validation compares them with its steps):
+    num_engine_steps: int = 0
+    model_step_seconds_total: float = 0.0  # the runner's own time in those steps
+    loop_step_seconds_total: float = 0.0  # wall time of step + its output handling + report
+    process_cpu_seconds: float = 0.0  # the worker process's CPU time so far (all threads)
     # decode: speculative decoding (summed over workers into the front's spec_decode_* metrics)
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -110,12 +110,18 @@ class WorkerLoop:
             if not self._drain_inputs(timeout_ms):
                 return
             self.before_step()
+            step_start = None
             if self.has_step_work():
+                step_start = time.perf_counter()
                 outputs = self.engine.step()
+                self.counters.num_engine_steps += 1
+                self.counters.model_step_seconds_total += self.engine.get_stats().step_time_s
                 self.after_step(outputs)
                 self._dirty = self._dirty or bool(outputs)
             if self._dirty or time.monotonic() - self._last_report >= self.spec.report_interval_s:
                 self.send_report()
+            if step_start is not None:
+                self.counters.loop_step_seconds_total += time.perf_counter() - step_start
             self.last_iteration_time = time.monotonic()
             if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
                 logger.warning("front process is gone; %s exiting", self.spec.worker_id)
@@ -178,6 +184,7 @@ class WorkerLoop:
     def send_report(self) -> None:
         self.counters.num_failed_steps = self.engine.num_failed_steps
         self.counters.num_failed_requests = self.engine.num_failed_requests
+        self.counters.process_cpu_seconds = time.process_time()
         self.update_counters()
         report = WorkerReport(worker_id=self.spec.worker_id, load=self.load_report(),
                               counters=self.counters, outputs=self._outputs,
