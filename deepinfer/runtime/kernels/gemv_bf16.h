@@ -84,10 +84,9 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
 typedef void (*row_dots_fn)(const uint16_t *, const uint16_t *, int, float *);
 DEFINE_ROW_DOTS(dots_m1, 1, 1)
 DEFINE_ROW_DOTS(dots_m2, 1, 2) DEFINE_ROW_DOTS(dots_m3, 1, 3) DEFINE_ROW_DOTS(dots_m4, 1, 4)
-DEFINE_ROW_DOTS(dots_m5, 1, 5) DEFINE_ROW_DOTS(dots_m6, 1, 6) DEFINE_ROW_DOTS(dots_m7, 1, 7)
-DEFINE_ROW_DOTS(dots_m8, 1, 8)
+#include "gemv_wide_bf16.h" /* M = 5..8: no spills, weights prefetched (see there) */
 static const row_dots_fn ROW_FN[GEMV_MAX_M + 1] = {0, dots_m1, dots_m2, dots_m3, dots_m4,
-                                              dots_m5, dots_m6, dots_m7, dots_m8};
+                                              wide_dots_m5, wide_dots_m6, wide_dots_m7, wide_dots_m8};
 
 
 /* out[m * out_stride + n] = round(x[m] . w[n] + bias[n]) for n in [n0, n1); with `residual`
