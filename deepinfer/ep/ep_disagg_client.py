@@ -11,7 +11,8 @@ peers, so a rank lost or unresponsive takes its whole group out of routing at on
 are killed, not left waiting on collective timeouts), and a group is restarted as a whole, all
 ranks together on a fresh rendezvous port. A request the lost group had streamed nothing for
 whose KV is still staged on its prefill worker goes to a rank of another group (which pulls
-that KV); the others fail with a clear error naming the group and the rank that died.
+that KV); the others fail with a clear error naming the group and the rank that died, as does
+a retry whose pull finds the KV gone (the lost rank had pulled it before the front heard).
 Rank 0 of each group reports every rebalance (`WorkerEPLBStats`): the EPLB metrics on /metrics.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.ep_metrics import DecodeGroupEPLBCollector, GroupEPLB, record_rebalance
 from deepinfer.ep.messages import WorkerEPLBStats
 from deepinfer.ep.process_group import free_port
+from deepinfer.server.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 ROOT_CAUSE_GRACE_S = 0.5  # how long a failed rank's peers are watched for the one that died
@@ -55,6 +57,9 @@ class EPDisaggClient(DisaggClient):
         # request id -> (its PrefillDone, tokens streamed when it went to decode): enough to
         # send it to another group while its KV is still staged on the prefill worker.
         self._decode_sent: dict[str, tuple[PrefillDone, int]] = {}
+        # request id -> the group loss it was retried after: a retry that still fails (the lost
+        # rank had pulled the KV unbeknown to us) says why it was moved.
+        self._retried_after: dict[str, str] = {}
 
     async def start(self) -> None:
         from deepinfer.runtime.model_source import resolve_model
@@ -137,7 +142,14 @@ class EPDisaggClient(DisaggClient):
 
     def _forget_placement(self, track) -> None:
         self._decode_sent.pop(track.request_id, None)
+        self._retried_after.pop(track.request_id, None)
         super()._forget_placement(track)
+
+    async def _give_up(self, track, error: Exception) -> None:
+        loss = self._retried_after.pop(track.request_id, None)
+        if loss is not None and isinstance(error, EngineDeadError):
+            error = EngineDeadError(f"{loss}; retried on {track.decode_worker}: {error}")
+        await super()._give_up(track, error)
 
     async def _release_requests(self, handle: WorkerHandle, reason: str) -> None:
         """A lost rank's requests: those it streamed nothing for and whose KV is still staged
@@ -156,7 +168,9 @@ class EPDisaggClient(DisaggClient):
                 track.num_retries += 1
                 self.num_retried += 1
                 track.last_progress = time.monotonic()
-                logger.warning("%s: decode retried on another group (%s)", request_id, reason)
+                self._retried_after[request_id] = self._group_reason(handle, reason)
+                logger.warning("%s: decode retried on another group (%s)", request_id,
+                               self._retried_after[request_id])
                 await self._send_decode(track, sent[0])  # fails it clearly if none can take it
         await super()._release_requests(handle, reason)
 

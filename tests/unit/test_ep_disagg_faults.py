@@ -21,7 +21,7 @@ from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.ep_disagg_client import EPDisaggClient
 from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
 from deepinfer.server.engine_client import EngineDeadError
-from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.server.messages import ChoiceDelta, RequestDelta, RequestError
 from tests.unit.test_disagg_client_faults import (BLOCK, FakeWorker, consume, drive_front,
                                                   first_token, until)
 
@@ -94,6 +94,29 @@ def test_a_lost_rank_s_request_whose_kv_had_arrived_fails_clearly():
         assert isinstance(result["error"], EngineDeadError), result
         assert f"{rank.worker_id} was lost" in str(result["error"]), result["error"]
         assert client.num_retried == 0 and result["tokens"] == [5]
+    run_ep_front(test)
+
+
+def test_a_retry_that_finds_the_kv_gone_fails_naming_the_lost_group():
+    """The rank may have pulled the KV (the prefill worker's copy is gone) without the front
+    hearing of it before the rank died: the retry's pull fails, and the client's error says
+    why (the group loss), not only that a KV transfer failed."""
+    async def test(client, workers):
+        task, rank = await to_decode_rank(client, workers, "r")
+        lost = group_of(rank.worker_id)
+        rank.send(WorkerFailed(rank.worker_id, "Traceback ...\nRuntimeError: boom"))
+        await until(lambda: client.placements["r"][1] not in lost, "decode routed elsewhere",
+                    timeout=20)
+        again = workers[client.placements["r"][1]]
+        await again.expect(DecodeRequest)
+        again.report(errors=[RequestError("r", "KV transfer failed: not staged (expired, "
+                                               "aborted or unknown)")])
+        result = await asyncio.wait_for(task, 20)
+        error = str(result["error"])
+        assert isinstance(result["error"], EngineDeadError), result
+        assert f"decode group {int(lost[0][1]) // 2} lost: {rank.worker_id}" in error, error
+        assert f"retried on {again.worker_id}" in error and "not staged" in error, error
+        assert client.num_retried == 1 and result["tokens"] == [5]
     run_ep_front(test)
 
 
