@@ -126,17 +126,23 @@ class StepProfiler:
             self.run([(ChunkShape(64, 1), ChunkShape(0, 64))], 1, 1, warm_up_runner=False)
         outputs = [self._make_output(chunks, tag=str(i)) for i, chunks in enumerate(batches)]
         times: list[list[float]] = [[] for _ in batches]
+        cpu_times: list[list[float]] = [[] for _ in batches]
         num_rounds = num_warmup + num_repeats
         for r in range(num_rounds):
             for i, output in enumerate(outputs):
+                cpu_start = time.process_time()
                 step_time_s = self.runner.execute(output).step_time_s
                 if r >= num_warmup:
                     times[i].append(step_time_s)
+                    cpu_times[i].append(time.process_time() - cpu_start)
                 if progress is not None:
                     progress(r * len(outputs) + i + 1, num_rounds * len(outputs))
         # Let the runner drop its per-request sampler state.
         self.runner.execute(SchedulerOutput([], 0, finished_request_ids=[
             s.request_id for o in outputs for s in o.scheduled]))
+        # CPU seconds of each batch too: on a loaded host a step's wall time includes time
+        # the process waited for a core; its CPU time is the work itself.
+        self.cpu_times_s = [statistics.median(t) for t in cpu_times]
         return [StepSample(chunks, statistics.median(t)) for chunks, t in zip(batches, times)]
 
     def _make_output(self, chunks: tuple[ChunkShape, ...], tag: str) -> SchedulerOutput:
@@ -223,13 +229,17 @@ def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: Profile
     fit_error = model.evaluate(train)
     model.metadata["fit_median_abs_pct_error"] = fit_error.median_abs_pct_error
     model.metadata["fit_p90_abs_pct_error"] = fit_error.p90_abs_pct_error
-    model.metadata["samples"] = [_sample_dict(s) for s in samples]
+    model.metadata["samples"] = [_sample_dict(s, cpu)
+                                 for s, cpu in zip(samples, profiler.cpu_times_s)]
     return model
 
 
-def _sample_dict(sample: StepSample) -> dict:
-    return {"chunks": [[c.context_len, c.num_new_tokens] for c in sample.chunks],
-            "step_time_s": sample.step_time_s}
+def _sample_dict(sample: StepSample, cpu_s: float | None = None) -> dict:
+    out = {"chunks": [[c.context_len, c.num_new_tokens] for c in sample.chunks],
+           "step_time_s": sample.step_time_s}
+    if cpu_s is not None:
+        out["cpu_s"] = cpu_s
+    return out
 
 
 def grid_with(grid: ProfileGrid, **changes) -> ProfileGrid:

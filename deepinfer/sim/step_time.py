@@ -81,6 +81,25 @@ def load_cost_profile(path: str) -> CostModel:
     return CostModel.from_dict(data)
 
 
+def refit_on_cpu_time(model: CostModel) -> CostModel:
+    """The profile refitted on its steps' CPU seconds instead of their wall seconds (same
+    regimes, same metadata): the work of each step, less moved by other processes' load than
+    wall time is. For a one-thread engine on a shared host, this predicts what its process's
+    CPU seconds will be. ValueError when the profile has no CPU times (older profiles)."""
+    samples = model.metadata.get("samples") or []
+    if not samples or any("cpu_s" not in s for s in samples):
+        raise ValueError("the profile has no per-step CPU times (measured before they were "
+                         "recorded)")
+    steps = [StepSample(tuple(ChunkShape(p, x) for p, x in s["chunks"]), float(s["cpu_s"]))
+             for s in samples if s["chunks"] and s["cpu_s"] > 0]
+    rows = model.metadata.get("small_decode_rows") or (
+        model.small_decode.max_rows if model.small_decode is not None else None)
+    refit = CostModel.fit_piecewise(model.shape, steps, rows,
+                                    metadata={**model.metadata, "clock": "cpu"})
+    refit.holdout_error = None  # the wall-time fit's hold-out does not describe this fit
+    return refit
+
+
 def fitted_cost_model(step_model: StepTimeModel, shape: ModelShape) -> CostModel:
     """The engine's CostModel fitted to an analytic step-time model over a grid of batches,
     so compute-aware budgets and the prefill router can use it as they use a profile."""

@@ -169,3 +169,9 @@ def test_profile_is_piecewise_when_the_runner_has_a_fused_decode_stack():
                  [ChunkShape(1500, 200)] + [ChunkShape(900, 1)] * 3):
         assert model.predict(step) == pytest.approx(truth.predict(step), rel=0.02)
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))).small_decode is not None
+
+
+def test_profile_samples_record_cpu_seconds():
+    model = profile_cost_model(FakeRunner(), SHAPE, 1000, grid_with(QUICK_GRID, num_ragged=2))
+    samples = model.metadata["samples"]
+    assert samples and all(s["cpu_s"] >= 0.0 for s in samples)
