@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepinfer.runtime.cpu_huge_pages import move_to_huge_pages
 from deepinfer.runtime.cpu_small_batch_linear import SmallBatchLinear, load_small_batch_linear
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,13 @@ def _try_pack(linear: nn.Linear) -> PackedLinear | None:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace the bf16 CPU nn.Linear layers of `model` in place; returns how many."""
-    if not _ops_available():
-        return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
                and child.weight.dtype == torch.bfloat16]
+    _plain_weights_to_huge_pages(model, [child.weight for _, _, child in targets])
+    if not _ops_available():
+        return 0
     num = 0
     for parent, name, child in targets:
         layer = _try_pack(child)
@@ -99,6 +101,20 @@ def pack_linear_weights(model: nn.Module) -> int:
         setattr(parent, name, layer)
         num += 1
     return num + _pack_tied_lm_head(model)
+
+
+def _plain_weights_to_huge_pages(model: nn.Module, weights: list[Tensor]) -> None:
+    """The weights the small-batch GEMVs and the decode stack stream every step (the plain
+    copies; a tied head's embedding table too) onto 2 MiB pages, before any alias of them is
+    taken (PackedLinear.plain_weight, the stack's pointers)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (hasattr(model, "logits_linear") and getattr(model, "lm_head", None) is None
+            and embed is not None and embed.weight.device.type == "cpu"
+            and embed.weight.dtype == torch.bfloat16):
+        weights = [*weights, embed.weight]
+    moved = move_to_huge_pages(weights) if weights else 0
+    if moved:
+        logger.info("%.0f MiB of bf16 weights on transparent huge pages", moved / 2 ** 20)
 
 
 def _pack_tied_lm_head(model: nn.Module) -> int:
