@@ -33,6 +33,7 @@ intra-node).
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,20 +266,33 @@ def _pack_then_replicate(load: np.ndarray, num_slots: int, num_ranks: int,
         new[rank] += share
         return new
 
+    def peaks_with(experts: np.ndarray) -> np.ndarray:
+        """[len(experts), ranks]: the peak of `loads_with(rank, expert)` for every pair (the
+        rank that gains the share is the peak or the old peak stays: shares are >= 0)."""
+        share = load[experts] / (counts[experts] + 1)
+        base = rank_load[None, :] - hosted[:, experts].T * \
+            (load[experts] / counts[experts] - share)[:, None]
+        return np.maximum(base.max(1, keepdims=True), base + share[:, None])
+
     rank_load = hosted @ load
     for _ in range(num_slots - num_experts):
         open_ranks = [r for r in range(num_ranks) if len(layout[r]) < slots_per_rank]
+        top = np.argsort(-(load / counts), kind="stable")[:8]
+        peaks = peaks_with(top)
+        peak_now = rank_load.max()
         choice = None
-        for e in np.argsort(-(load / counts), kind="stable")[:8]:
+        for i, e in enumerate(top.tolist()):
             free = [r for r in open_ranks if not hosted[r, e]]
             if free:
-                r = min(free, key=lambda q: loads_with(q, int(e)).max())
-                if loads_with(r, int(e)).max() <= rank_load.max():
-                    choice = (r, int(e))
+                r = free[int(np.argmin(peaks[i, free]))]
+                if peaks[i, r] <= peak_now:
+                    choice = (r, e)
                     break
         if choice is None:  # repeat an own expert on the rank where that costs least
-            choice = min(((r, e) for r in open_ranks for e in set(layout[r])),
-                         key=lambda c: loads_with(*c).max())
+            pairs = [(r, e) for r in open_ranks for e in set(layout[r])]
+            experts = np.array([e for _, e in pairs])
+            costs = peaks_with(experts)[np.arange(len(pairs)), [r for r, _ in pairs]]
+            choice = pairs[int(np.argmin(costs))]
         r, e = choice
         rank_load = loads_with(r, e)
         layout[r].append(e)
@@ -387,14 +401,21 @@ def pack_items(weights: np.ndarray, num_packs: int, refine: bool = True,
         raise ValueError(f"{num_items} items do not split into {num_packs} equal packs")
     capacity = num_items // num_packs
     pack_of = np.empty(num_items, dtype=np.int64)
+    # Open packs in a heap of (load, pack): the lightest, lowest-numbered first.
+    heap = [(0.0, pack) for pack in range(num_packs)]
+    size = [0] * num_packs
     pack_load = np.zeros(num_packs)
-    pack_size = np.zeros(num_packs, dtype=np.int64)
-    for item in np.argsort(-weights, kind="stable"):
-        open_packs = np.flatnonzero(pack_size < capacity)
-        pack = open_packs[np.argmin(pack_load[open_packs])]
+    values = weights.tolist()
+    for item in np.argsort(-weights, kind="stable").tolist():
+        load, pack = heap[0]
         pack_of[item] = pack
-        pack_load[pack] += weights[item]
-        pack_size[pack] += 1
+        size[pack] += 1
+        load += values[item]
+        pack_load[pack] = load
+        if size[pack] < capacity:
+            heapq.heapreplace(heap, (load, pack))
+        else:
+            heapq.heappop(heap)
     if refine and capacity > 1 and num_packs > 1:
         _refine_by_swaps(weights, pack_of, pack_load, keys)
     return pack_of
@@ -411,6 +432,9 @@ def _refine_by_swaps(weights: np.ndarray, pack_of: np.ndarray, pack_load: np.nda
     """
     eps = 1e-9 * max(float(weights.sum()), 1.0)
     num_packs = pack_load.shape[0]
+    if keys is not None:
+        held = np.zeros((num_packs, int(keys.max()) + 1), dtype=np.int64)
+        np.add.at(held, (pack_of, keys), 1)
     for _ in range(max_rounds):
         heavy = int(np.argmax(pack_load))
         peak = pack_load[heavy]
@@ -420,8 +444,6 @@ def _refine_by_swaps(weights: np.ndarray, pack_of: np.ndarray, pack_load: np.nda
         other_packs = pack_of[outside][None, :]
         worst = np.maximum(peak - delta, pack_load[other_packs] + delta)
         if keys is not None:
-            held = np.zeros((num_packs, int(keys.max()) + 1), dtype=np.int64)
-            np.add.at(held, (pack_of, keys), 1)
             clash = (held[other_packs, keys[inside][:, None]] > 0) | \
                     (held[heavy, keys[outside]][None, :] > 0)
             worst = np.where(clash, np.inf, worst)
@@ -433,6 +455,11 @@ def _refine_by_swaps(weights: np.ndarray, pack_of: np.ndarray, pack_load: np.nda
         pack_load[heavy] -= delta[best]
         pack_load[other] += delta[best]
         pack_of[a], pack_of[b] = other, heavy
+        if keys is not None:
+            held[heavy, keys[a]] -= 1
+            held[other, keys[a]] += 1
+            held[other, keys[b]] -= 1
+            held[heavy, keys[b]] += 1
 
 
 def _log2phy(phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
