@@ -226,6 +226,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
+        # Likewise the ids logit_bias and allowed_token_ids index.
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"{name} token ids must be integers in [0, {vocab})")
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt

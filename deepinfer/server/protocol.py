@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models (pydantic), with vLLM's extensions.
 
-Requests accept unknown fields (ignored) so clients that send extra OpenAI options keep
-working; options we cannot honour with a non-default value are rejected with a 400 by the
-serving layer. Responses follow the OpenAI shapes field for field; vLLM extensions
+Requests accept unknown fields (kept in `model_extra`, logged once per name by the serving
+layer) so clients that send extra OpenAI options keep working; options we know and cannot
+honour (`UNSUPPORTED_FIELDS`, and declared fields with a non-default value) are rejected with
+a 400 naming the field. Responses follow the OpenAI shapes field for field; vLLM extensions
 (`token_ids`, `prompt_token_ids`, `stop_reason`) are present only when they apply.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM; not implemented: True is a 400
 
 
 class PromptTokensDetails(BaseModel):
@@ -57,10 +59,36 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+# OpenAI / vLLM request options this server does not implement, with the value(s) that mean
+# "off" (accepted: clients often send the defaults). Any other value is a 400 naming the
+# field, never a silent drop: each of these would change the output if honoured.
+_OFF = (None, False, [], {}, "")
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    # vLLM sampling extensions
+    "bad_words": _OFF, "prompt_logprobs": _OFF, "use_beam_search": _OFF,
+    "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
+    "logits_processors": _OFF, "structured_outputs": _OFF, "guided_json": _OFF,
+    "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF,
+    "guided_whitespace_pattern": _OFF, "guided_decoding_backend": _OFF,
+    "allowed_token_ids_per_position": _OFF, "prompt_embeds": _OFF, "priority": (None, 0),
+    "mm_processor_kwargs": _OFF, "vllm_xargs": _OFF, "kv_transfer_params": _OFF,
+    "min_p_per_token": _OFF, "detokenize": (None, True), "lora_request": _OFF,
+    # chat (OpenAI and vLLM)
+    "tool_choice": (None, "none", "auto"), "functions": _OFF, "function_call": (None, "none", "auto"),
+    "audio": _OFF, "modalities": (None, ["text"]), "chat_template": _OFF,
+    "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
+    "echo": _OFF, "add_special_tokens": (None, False),
+}
+# Completion-only differences from the chat table (completion `echo` and
+# `add_special_tokens` are declared fields).
+UNSUPPORTED_COMPLETION_FIELDS = {k: v for k, v in UNSUPPORTED_FIELDS.items()
+                                 if k not in ("echo", "add_special_tokens")}
+
+
 class _SamplingFields(BaseModel):
     """Sampling options shared by both endpoints (OpenAI names, then vLLM extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)
@@ -70,8 +98,8 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
@@ -83,6 +111,10 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    allowed_token_ids: list[int] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
 
 # --- /v1/completions ---------------------------------------------------------------------------
@@ -95,6 +127,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -7,6 +7,7 @@ OpenAI responses or SSE chunks.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,7 +21,13 @@ from deepinfer.server.engine_client import EngineClient, EngineDeadError, Reques
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.protocol import PromptTokensDetails, UsageInfo
+from deepinfer.server.protocol import (UNSUPPORTED_COMPLETION_FIELDS, UNSUPPORTED_FIELDS,
+                                       PromptTokensDetails, UsageInfo)
+
+logger = logging.getLogger(__name__)
+# Unknown request fields already logged (once per name per process: clients send the same
+# extras with every request).
+_logged_unknown_fields: set[str] = set()
 
 
 @dataclass
@@ -119,6 +126,15 @@ _MIN_TEMPERATURE = 1e-5  # below: greedy (a float32 division would overflow to i
 _MIN_TOP_P = 1e-7  # below: the same single top token, but still > 0 in float32
 
 
+def _same_value(value, off) -> bool:
+    """JSON equality that keeps booleans apart from numbers (0 == False in Python)."""
+    if isinstance(off, bool) or isinstance(value, bool):
+        return value is off
+    if isinstance(off, (int, float)):
+        return isinstance(value, (int, float)) and value == off
+    return value == off
+
+
 class OpenAIServing:
     """Shared request handling for one served model."""
 
@@ -150,12 +166,42 @@ class OpenAIServing:
         return self.gate.admit(num_new_requests)
 
     @staticmethod
-    def reject_unsupported(request) -> None:
-        if request.presence_penalty or request.frequency_penalty:
-            raise bad_request("presence_penalty and frequency_penalty are not supported",
-                              param="presence_penalty")
-        if request.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+    def reject_unsupported(request, completion: bool = False) -> None:
+        """400 naming the first option we know and do not implement, unless it is sent with
+        its "off" value; other unknown fields are accepted and logged once per name."""
+        table = UNSUPPORTED_COMPLETION_FIELDS if completion else UNSUPPORTED_FIELDS
+        for name, value in (request.model_extra or {}).items():
+            if name in table:
+                if not any(_same_value(value, off) for off in table[name]):
+                    raise bad_request(f"{name} is not supported by this server", param=name,
+                                      code="unsupported_parameter")
+            elif name not in _logged_unknown_fields:
+                _logged_unknown_fields.add(name)
+                logger.warning("Ignoring unknown request field %r (not an option this server "
+                               "knows; logged once)", name)
+        options = request.stream_options
+        if options is not None:
+            if not request.stream:
+                raise bad_request("stream_options is only allowed when stream is true",
+                                  param="stream_options")
+            if options.continuous_usage_stats:
+                raise bad_request("stream_options.continuous_usage_stats is not supported",
+                                  param="stream_options", code="unsupported_parameter")
+        if request.response_format and request.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported",
+                              param="response_format", code="unsupported_parameter")
+
+    def truncate_prompt(self, request, prompt: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: the context)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
+                              param="truncate_prompt_tokens")
+        if k == -1:
+            k = self.client.max_model_len
+        return prompt[-k:]
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The request's output budget; 400 if the prompt (plus budget) exceeds the context."""
@@ -197,6 +243,19 @@ class OpenAIServing:
             top_k = 0
         stop_token_ids = request.stop_token_ids or []
         self.check_token_ids(stop_token_ids, param="stop_token_ids")
+        logit_bias = None
+        if request.logit_bias:
+            try:
+                logit_bias = {int(k): v for k, v in request.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                                  param="logit_bias") from None
+            self.check_token_ids(list(logit_bias), param="logit_bias")
+        allowed = request.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+            self.check_token_ids(allowed, param="allowed_token_ids")
         try:
             return SamplingParams(
                 n=request.n, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -205,9 +264,16 @@ class OpenAIServing:
                 stop=request.stop or [], stop_token_ids=stop_token_ids,
                 ignore_eos=request.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None
+                else request.repetition_penalty,
+                logit_bias=logit_bias, allowed_token_ids=allowed)
+        except ValueError as e:  # the messages start with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=name if name in type(request).model_fields
+                              else None) from None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, admission: Admission, mm_inputs=None,

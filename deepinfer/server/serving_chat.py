@@ -102,10 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.reject_unsupported(request)
         if request.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if request.response_format and request.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported",
-                              param="response_format")
+            raise bad_request("tools are not supported", param="tools",
+                              code="unsupported_parameter")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         if prompt is None:
@@ -115,6 +113,10 @@ class OpenAIServingChat(OpenAIServing):
                                              request.add_generation_prompt)
             except Exception as e:  # template errors are the caller's messages' fault
                 raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
+            prompt = self.truncate_prompt(request, prompt)
+        elif request.truncate_prompt_tokens is not None:  # would cut image tokens
+            raise bad_request("truncate_prompt_tokens is not supported with images",
+                              param="truncate_prompt_tokens", code="unsupported_parameter")
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),

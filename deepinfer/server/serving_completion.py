@@ -66,19 +66,24 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized = []
         for p in prompt:
             if isinstance(p, str):
-                tokenized.append(self.client.tokenizer.encode(p))
+                tokenized.append(self.client.tokenizer.encode(
+                    p, add_special_tokens=request.add_special_tokens))
             else:
                 self.check_token_ids(p)
                 tokenized.append(list(p))
-        return tokenized
+        return [self.truncate_prompt(request, p) for p in tokenized]
 
     def _prepare(self, request: CompletionRequest):
         self.check_model(request.model)
-        self.reject_unsupported(request)
-        if request.echo or request.suffix:
-            raise bad_request("echo and suffix are not supported", param="echo")
+        self.reject_unsupported(request, completion=True)
+        if request.echo:
+            raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
+        if request.suffix:
+            raise bad_request("suffix is not supported", param="suffix",
+                              code="unsupported_parameter")
         if request.best_of is not None and request.best_of != request.n:
-            raise bad_request("best_of is not supported", param="best_of")
+            raise bad_request("best_of other than n is not supported", param="best_of",
+                              code="unsupported_parameter")
         prompts = self._prompts(request)
         params = [self.make_sampling_params(
             request, self.resolve_max_tokens(len(p), request.max_tokens), request.logprobs)

@@ -23,11 +23,16 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "n", "temperature", "top_p
                      "min_p", "seed", "stop", "stream", "stream_options", "logprobs", "echo",
                      "suffix", "best_of", "presence_penalty", "frequency_penalty", "logit_bias",
                      "user", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                     "include_stop_str_in_output", "return_token_ids")
+                     "include_stop_str_in_output", "return_token_ids", "repetition_penalty",
+                     "allowed_token_ids", "truncate_prompt_tokens", "add_special_tokens",
+                     # vLLM options the server rejects unless "off"
+                     "use_beam_search", "bad_words", "prompt_logprobs", "guided_json",
+                     "spaces_between_special_tokens", "length_penalty", "priority")
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo",
                                                                 "suffix", "best_of")) + (
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
-    "tools", "response_format")
+    "tools", "response_format", "tool_choice", "chat_template_kwargs",
+    "continue_final_message")
 
 INT64_MAX = 2 ** 63 - 1
 NAN, INF = float("nan"), float("inf")
@@ -270,7 +275,13 @@ class CaseGenerator:
             {"stream": False, "stream_options": {"include_usage": True}},
             {"logit_bias": {}}, {"tools": []}, {"response_format": {"type": "text"}},
             {"top_logprobs": 20, "logprobs": True}, {"return_token_ids": True, "n": 3},
-            {"temperature": 2.0, "top_k": 1, "top_p": 0.0001, "min_p": 0.99}])
+            {"temperature": 2.0, "top_k": 1, "top_p": 0.0001, "min_p": 0.99},
+            {"presence_penalty": 2.0, "frequency_penalty": -2.0}, {"repetition_penalty": 100},
+            {"repetition_penalty": 1e-300}, {"logit_bias": {"0": 100, "1": -100}},
+            {"logit_bias": {str(self.vocab_size - 1): 100}, "allowed_token_ids": [0]},
+            {"allowed_token_ids": [self.vocab_size - 1], "min_tokens": 1, "max_tokens": 2},
+            {"truncate_prompt_tokens": 1}, {"truncate_prompt_tokens": -1},
+            {"use_beam_search": False, "length_penalty": 1.0}, {"unknown_vllm_field": 1}])
         body.update(edge)
         if path == "/v1/completions" and "top_logprobs" in edge:
             body["logprobs"] = 5
