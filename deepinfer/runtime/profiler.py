@@ -31,7 +31,8 @@ from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-GRID_VERSION = 5  # 5: decode batches on both sides of the fused decode stack's row limit
+GRID_VERSION = 6  # 5: decode batches on both sides of the fused decode stack's row limit;
+# 6: 768-token prefill chunks (full-budget steps were extrapolated from 256, over by 3-6%)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ProfileGrid:
     num_warmup: int  # untimed runs of each batch before its timed repeats
     holdout_fraction: float = 0.3
     seed: int = 0
+    ragged_max_chunk: int | None = None  # largest random chunk (None: max(prefill_tokens))
 
     def batches(self, max_tokens_per_request: int) -> list[tuple[ChunkShape, ...]]:
         """All batches of the grid whose requests fit `max_tokens_per_request` (P + x)."""
@@ -75,15 +77,16 @@ class ProfileGrid:
         max_c, max_b = max(self.decode_contexts), max(self.decode_batch_sizes)
         decodes = [ChunkShape(rng.randint(1, max_c), 1) for _ in range(rng.randint(0, max_b))]
         chunks = [ChunkShape(rng.choice(self.prefill_contexts) + 16 * rng.randint(0, 8),
-                             rng.randint(2, max(self.prefill_tokens)))
+                             rng.randint(2, self.ragged_max_chunk or max(self.prefill_tokens)))
                   for _ in range(rng.randint(0 if decodes else 1, 2))]
         return tuple(decodes + chunks)
 
 
 QUICK_GRID = ProfileGrid(
-    name="quick", prefill_tokens=(32, 128, 256), prefill_contexts=(0, 1024, 2048),
+    name="quick", prefill_tokens=(32, 128, 256, 768), prefill_contexts=(0, 1024, 2048),
     decode_batch_sizes=(1, 4, 8, 16, 32), decode_contexts=(64, 1024, 2048),
-    mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=10, num_repeats=2, num_warmup=0)
+    mixed_decodes=(4, 16), mixed_chunks=(64,), num_ragged=10, num_repeats=2, num_warmup=0,
+    ragged_max_chunk=256)
 
 FULL_GRID = ProfileGrid(
     name="full", prefill_tokens=(16, 64, 128, 256, 512), prefill_contexts=(0, 512, 1536, 3072),
