@@ -36,10 +36,11 @@ def record_rebalance(group, stats: EPLBStats) -> None:
     group.num_rebalances += 1
     group.moved_bytes += stats.moved_bytes
     logger.info("group %d EPLB at step %d: balancedness %.3f -> %.3f (mean of %d layers), %d "
-                "slots changed, %d bytes moved, %.1f ms", group.index, stats.step,
+                "slots changed, %d bytes moved, steps stalled %.1f ms (planning %.1f ms)",
+                group.index, stats.step,
                 _mean(stats.balancedness_before), _mean(stats.balancedness_after),
                 len(stats.balancedness_after), stats.num_moved_slots, stats.moved_bytes,
-                stats.duration_s * 1e3)
+                stats.duration_s * 1e3, stats.plan_s * 1e3)
 
 
 def _mean(values: list[float]) -> float:
@@ -59,7 +60,10 @@ def eplb_families(model_name: str, groups, redundant_expert_bytes: int):
     redundant = _family(GaugeMetricFamily, "eplb_redundant_expert_bytes",
                         "Bytes the group spends on redundant expert slots.", "dp_group")
     seconds = _family(GaugeMetricFamily, "eplb_last_rebalance_seconds",
-                      "Duration of the group's last rebalance.", "dp_group")
+                      "Seconds the group's last rebalance stalled its steps.", "dp_group")
+    plan_seconds = _family(GaugeMetricFamily, "eplb_last_plan_seconds",
+                           "Planning time of the group's last rebalance (off the step path "
+                           "when eplb plan_ahead_steps > 0).", "dp_group")
     count = _family(CounterMetricFamily, "eplb_rebalances", "Expert rebalances done.",
                     "dp_group")
     moved = _family(CounterMetricFamily, "eplb_moved_expert_bytes",
@@ -76,7 +80,8 @@ def eplb_families(model_name: str, groups, redundant_expert_bytes: int):
             balance.add_metric(labels + [str(layer), "before"], before)
             balance.add_metric(labels + [str(layer), "after"], after)
         seconds.add_metric(labels, g.eplb.duration_s)
-    return [balance, redundant, seconds, count, moved]
+        plan_seconds.add_metric(labels, g.eplb.plan_s)
+    return [balance, redundant, seconds, plan_seconds, count, moved]
 
 
 class DataParallelCollector:

@@ -30,6 +30,7 @@ class EPLBStats(msgspec.Struct, tag=True):
     num_rebalances: int
     expert_cpu_ms_max: float = 0.0  # per step since the previous rebalance: busiest rank
     expert_cpu_ms_mean: float = 0.0  # ... and the mean rank (CPU devices)
+    plan_s: float = 0.0  # planning time (off the step path unless inside duration_s)
 
     @classmethod
     def of(cls, report, runtime) -> "EPLBStats":
@@ -41,7 +42,7 @@ class EPLBStats(msgspec.Struct, tag=True):
                    redundant_expert_bytes=runtime.redundant_expert_bytes(),
                    num_rebalances=len(runtime.reports),
                    expert_cpu_ms_max=report.expert_cpu_ms_max,
-                   expert_cpu_ms_mean=report.expert_cpu_ms_mean)
+                   expert_cpu_ms_mean=report.expert_cpu_ms_mean, plan_s=report.plan_s)
 
 
 class WorkerEPLBStats(msgspec.Struct, tag=True):

@@ -11,12 +11,24 @@ class EPLBConfig:
     step_interval: int = 3000  # rebalance every this many steps (of the whole EP group)
     num_redundant_experts: int = 0  # extra physical slots per MoE layer (replicas of hot experts)
     log_balancedness: bool = False  # log every step's group-wide balancedness (one more all-reduce)
+    # DeepInfer: group steps between a scheduled rebalance's agreement on the window and its
+    # moves, while a background thread plans (0: plan at the due step, stalling it; -1: auto,
+    # step_interval // 4 capped at 64). Forced rebalances always plan at once.
+    plan_ahead_steps: int = -1
+
+    @property
+    def plan_ahead(self) -> int:
+        if self.plan_ahead_steps >= 0:
+            return self.plan_ahead_steps
+        return min(64, self.step_interval // 4)
 
     def __post_init__(self) -> None:
         if self.window_size < 1 or self.step_interval < 1:
             raise ValueError("eplb window_size and step_interval must be >= 1")
         if self.num_redundant_experts < 0:
             raise ValueError("eplb num_redundant_experts must be >= 0")
+        if self.plan_ahead_steps < -1:
+            raise ValueError("eplb plan_ahead_steps must be >= 0 (or -1: auto)")
 
     @classmethod
     def from_json(cls, text: str | None) -> EPLBConfig:

@@ -119,7 +119,18 @@ class ExpertParallelRuntime:
         if self.eplb.log_balancedness:
             self._log_step_balancedness(loads)
         due = self.num_steps % self.eplb.step_interval == 0
-        return self.rebalance_now() if due or force_rebalance else None
+        ahead = self.eplb.plan_ahead
+        if force_rebalance or (due and ahead == 0):
+            return self.rebalance_now()
+        report = self.rebalancer.finish(self.num_steps)  # planned off the step path, due now
+        if report is not None:
+            self._record(report)
+        if due and not self.rebalancer.pending:
+            self.rebalancer.begin(self.recorder.logical_loads(), self.num_steps,
+                                  self.num_steps - self._last_rebalance_step,
+                                  apply_at=self.num_steps + ahead)
+            self._last_rebalance_step = self.num_steps
+        return report
 
     def _log_step_balancedness(self, slot_loads: np.ndarray) -> None:
         """Collective: this step's group-wide rank loads (vLLM's log_balancedness)."""
@@ -141,11 +152,15 @@ class ExpertParallelRuntime:
                                            self.num_steps - self._last_rebalance_step)
         self._last_rebalance_step = self.num_steps
         if report is not None:
-            self.reports.append(report)
-            if self.rank == 0:
-                logger.info("EPLB step %d: balancedness %.3f -> %.3f (mean over %d layers), "
-                            "%d slots changed, %d bytes moved, %.1f ms", report.step,
-                            np.mean(report.balancedness_before), np.mean(report.balancedness_after),
-                            len(self.layers), report.num_moved_slots, report.moved_bytes,
-                            report.duration_s * 1e3)
+            self._record(report)
         return report
+
+    def _record(self, report: RebalanceReport) -> None:
+        self.reports.append(report)
+        if self.rank == 0:
+            logger.info("EPLB step %d: balancedness %.3f -> %.3f (mean over %d layers), "
+                        "%d slots changed, %d bytes moved, steps stalled %.1f ms (planning "
+                        "%.1f ms)", report.step, np.mean(report.balancedness_before),
+                        np.mean(report.balancedness_after), len(self.layers),
+                        report.num_moved_slots, report.moved_bytes, report.duration_s * 1e3,
+                        report.plan_s * 1e3)

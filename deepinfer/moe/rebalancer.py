@@ -9,10 +9,17 @@
 
 All ranks plan from the same summed loads with the same deterministic planner, so they agree
 on the new layout and on every transfer without further messages.
+
+Planning takes seconds for DeepSeek-V3-sized layers, so a scheduled rebalance can plan off the
+step path (`begin` / `finish`): the window is agreed at the due step, a background thread
+plans (and relabels) from it while the group keeps stepping, and every rank applies the plan
+at the same later step (`apply_at`, a step count, so no extra agreement is needed); a rank
+whose thread is not done by then waits only for the rest of it.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -42,6 +49,27 @@ class RebalanceReport:
     # Expert CPU time per step since the last rebalance (CPU devices): busiest rank, mean rank.
     expert_cpu_ms_max: float = 0.0
     expert_cpu_ms_mean: float = 0.0
+    plan_s: float = 0.0  # planning (+ relabelling): inside duration_s unless planned off-path
+
+
+class _PendingPlan:
+    """A plan being made in a background thread from an agreed window."""
+
+    def __init__(self, fn, step: int, apply_at: int, loads: np.ndarray, cpu_ms: np.ndarray) -> None:
+        self.step, self.apply_at, self.loads, self.cpu_ms = step, apply_at, loads, cpu_ms
+        self.result = self.error = None
+        self.plan_s = 0.0
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                       name="eplb-planner")
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        start = time.perf_counter()
+        try:
+            self.result = fn(self.loads)
+        except Exception as exc:  # re-raised on the step path, where the rank can report it
+            self.error = exc
+        self.plan_s = time.perf_counter() - start
 
 
 class ExpertRebalancer:
@@ -52,12 +80,57 @@ class ExpertRebalancer:
         self.num_groups = num_groups
         self.num_nodes = num_nodes
         self.group = group
+        self._pending: _PendingPlan | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
 
     def rebalance(self, local_loads: np.ndarray, step: int,
                   num_steps_since: int = 1) -> RebalanceReport | None:
         """Collective: `local_loads` [layers, experts] is this rank's window. None (and nothing
-        moved) when the group saw no load at all."""
+        moved) when the group saw no load at all. Drops a plan still pending."""
         start = time.perf_counter()
+        self._drop_pending()
+        loads, cpu_ms = self._agree(local_loads, num_steps_since)
+        if loads.sum() == 0:
+            return None
+        plan_start = time.perf_counter()
+        aligned = self._plan(loads)
+        return self._apply(aligned, loads, cpu_ms, step, start, time.perf_counter() - plan_start)
+
+    def begin(self, local_loads: np.ndarray, step: int, num_steps_since: int,
+              apply_at: int) -> bool:
+        """Collective: agree on the window now, plan it in a background thread; `finish` at
+        step `apply_at` applies it. False when the group saw no load (nothing pending)."""
+        self._drop_pending()
+        loads, cpu_ms = self._agree(local_loads, num_steps_since)
+        if loads.sum() == 0:
+            return False
+        self._pending = _PendingPlan(self._plan, step, apply_at, loads, cpu_ms)
+        return True
+
+    def finish(self, step: int) -> RebalanceReport | None:
+        """Collective when a plan is due at `step` (the same step on every rank): wait for
+        the rest of the planning, if any, then move and switch."""
+        pending = self._pending
+        if pending is None or step < pending.apply_at:
+            return None
+        self._pending = None
+        start = time.perf_counter()
+        pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        return self._apply(pending.result, pending.loads, pending.cpu_ms, step, start,
+                           pending.plan_s)
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:  # superseded (e.g. a forced rebalance): not applied
+            self._pending.thread.join()
+            self._pending = None
+
+    def _agree(self, local_loads: np.ndarray, num_steps_since: int):
+        """Collective: the group's summed window and every rank's expert CPU ms per step."""
         loads = torch.as_tensor(np.ascontiguousarray(local_loads), dtype=torch.long)
         cpu_ms = torch.zeros(self.layers[0].world_size, dtype=torch.float64)  # [ranks]
         spent = sum(layer.compute_cpu_s for layer in self.layers)
@@ -69,18 +142,27 @@ class ExpertRebalancer:
             dist.all_reduce(loads, group=self.group)
             cpu_ms = cpu_ms.to(self._comm_device())
             dist.all_reduce(cpu_ms, group=self.group)  # each rank filled its own entry
-        loads, cpu_ms = loads.cpu().numpy(), cpu_ms.cpu().numpy()
-        if loads.sum() == 0:
-            return None
+        return loads.cpu().numpy(), cpu_ms.cpu().numpy()
+
+    def _plan(self, loads: np.ndarray) -> np.ndarray:
+        """Pure (numpy, no collectives; safe off the step path while the placement is
+        unchanged): the plan relabelled to the current layout; layers that would not gain
+        MIN_BALANCEDNESS_GAIN keep theirs."""
         first = self.layers[0]
+        current = self.placement
         planned = plan_placement(loads, first.num_physical, first.world_size, self.num_groups,
                                  self.num_nodes)
         # Relabel ranks and slots to keep what already sits in place (same balancedness).
-        aligned = align_to_current(self.placement.phy2log, planned.phy2log, first.slots_per_rank,
+        aligned = align_to_current(current.phy2log, planned.phy2log, first.slots_per_rank,
                                    first.world_size // self.num_nodes)
         gain = (placement_from_phy2log(aligned, first.num_experts, first.world_size)
-                .balancedness(loads) - self.placement.balancedness(loads))  # [layers]
-        aligned[gain < MIN_BALANCEDNESS_GAIN] = self.placement.phy2log[gain < MIN_BALANCEDNESS_GAIN]
+                .balancedness(loads) - current.balancedness(loads))  # [layers]
+        aligned[gain < MIN_BALANCEDNESS_GAIN] = current.phy2log[gain < MIN_BALANCEDNESS_GAIN]
+        return aligned
+
+    def _apply(self, aligned: np.ndarray, loads: np.ndarray, cpu_ms: np.ndarray, step: int,
+               start: float, plan_s: float) -> RebalanceReport:
+        first = self.layers[0]
         new = placement_from_phy2log(aligned, first.num_experts, first.world_size)
         before = self.placement.balancedness(loads)
         moves = plan_expert_moves(self.placement.phy2log, new.phy2log, first.slots_per_rank)
@@ -91,7 +173,7 @@ class ExpertRebalancer:
         moved_bytes = sum(first.expert_bytes() for m in moves if m.kind == "remote")
         return RebalanceReport(step, before.tolist(), new.balancedness(loads).tolist(),
                                len(moves), moved_bytes, time.perf_counter() - start,
-                               float(cpu_ms.max()), float(cpu_ms.mean()))
+                               float(cpu_ms.max()), float(cpu_ms.mean()), plan_s)
 
     def _comm_device(self) -> torch.device:
         return self.layers[0].gate_up_proj.device

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # With the serve test (Qwen3-MoE, 2 ranks) and the fault test (DeepSeek-V3, 2 ranks) every
 # model x group size is covered; both dispatchers run with 4 ranks.
-CASES = [("deepseek_v3", 4, "alltoall"), ("qwen3_moe", 4, "allgather_reducescatter")]
+# The second plans its scheduled rebalances off the step path (applied 2 steps after the due
+# step, on every rank at once).
+CASES = [("deepseek_v3", 4, "alltoall", 0), ("qwen3_moe", 4, "allgather_reducescatter", 2)]
 
 
 def assert_equal(got, want, label: str) -> None:
@@ -26,15 +28,16 @@ def assert_equal(got, want, label: str) -> None:
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, f"{label} prompt {i}"
 
 
-@pytest.mark.parametrize("kind, world, backend", CASES)
-def test_ep_group_equals_one_process_across_rebalances(kind, world, backend, tmp_path,
+@pytest.mark.parametrize("kind, world, backend, plan_ahead", CASES)
+def test_ep_group_equals_one_process_across_rebalances(kind, world, backend, plan_ahead, tmp_path,
                                                        default_model_source):
     directory = write_checkpoint(kind, tmp_path, seed=31, tokenizer=default_model_source.load_tokenizer())
     prompts = random_prompts(seed=9, lengths=(3, 17, 40, 9, 25, 5, 60, 12))
     want = one_process_outputs(directory, prompts)
     ep = EPConfig(data_parallel_size=world, enable_expert_parallel=True, dispatcher=backend,
                   enable_eplb=True, eplb=EPLBConfig(window_size=4, step_interval=3,
-                                                    num_redundant_experts=world))
+                                                    num_redundant_experts=world,
+                                                    plan_ahead_steps=plan_ahead))
     group = GroupRunner(directory, ep)
     try:
         client = group.client

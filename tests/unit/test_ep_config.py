@@ -44,3 +44,27 @@ def test_serve_flag_errors_exit_2_with_one_line(flags, message, capsys):
     assert main(["serve", "--port", "1", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_cuda_ranks_pick_nccl_with_a_gloo_step_header(monkeypatch):
+    """NCCL cannot run on this machine (no GPU): this checks the choice the CUDA path makes.
+    A rank on a CUDA device initialises NCCL (bound to its device) and a gloo group for the
+    step header; a CPU rank uses gloo for both."""
+    import torch
+    import torch.distributed as dist
+
+    from deepinfer.ep import process_group
+    from deepinfer.moe.dispatch import AllToAllDispatcher, make_dispatcher
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))))
+    monkeypatch.setattr(dist, "new_group", lambda backend, **kw: calls.append(("group", backend))
+                        or "gloo-group")
+    group = process_group.init_rank_group(1, 2, 12345, torch.device("cuda", 1), None, 5.0)
+    assert calls == [("init", "nccl", torch.device("cuda", 1)), ("group", "gloo")]
+    assert group.control_group == "gloo-group"
+    calls.clear()
+    group = process_group.init_rank_group(0, 2, 12345, torch.device("cpu"), None, 5.0)
+    assert calls == [("init", "gloo", None)] and group.control_group is None
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert isinstance(make_dispatcher("alltoall", 1, 2, 4), AllToAllDispatcher)

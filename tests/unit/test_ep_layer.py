@@ -148,3 +148,56 @@ def test_a_second_rebalance_on_the_same_loads_moves_nothing(always_apply_plans):
     assert first.num_moved_slots > 0
     again = runtime.rebalance_now()  # same window, same plan: aligned to itself, no move
     assert again.num_moved_slots == 0 and again.moved_bytes == 0
+
+
+def test_a_scheduled_rebalance_plans_off_the_step_path(always_apply_plans, monkeypatch):
+    """With plan_ahead_steps the due step only agrees on the window; a background thread plans
+    and the moves happen plan_ahead_steps later (the same step on every rank), outputs
+    unchanged. A forced rebalance still plans at once and drops a plan still pending."""
+    import threading
+
+    import deepinfer.moe.rebalancer as rebalancer
+    planner_threads = []
+    plan = rebalancer.plan_placement
+
+    def recording_plan(*args, **kwargs):
+        planner_threads.append(threading.get_ident())
+        return plan(*args, **kwargs)
+    monkeypatch.setattr(rebalancer, "plan_placement", recording_plan)
+    model = tiny_moe_model()
+    x = torch.randn(12, H)
+    want = run(model, x)
+    runtime = ExpertParallelRuntime(model, 0, 1, eplb=EPLBConfig(
+        window_size=4, step_interval=4, num_redundant_experts=4, plan_ahead_steps=2),
+        num_redundant_experts=4)
+    before = runtime.placement.phy2log.copy()
+    reports = []
+    for step in range(1, 7):
+        torch.testing.assert_close(run(model, x), want, rtol=1e-5, atol=1e-5)
+        reports.append(runtime.end_step())
+        if step == 4:  # due: window agreed, planning in the background, nothing moved yet
+            assert runtime.rebalancer.pending and np.array_equal(runtime.placement.phy2log, before)
+    assert reports[:5] == [None] * 5
+    report = reports[5]  # step 6 = 4 + plan_ahead_steps
+    assert report.step == 6 and report.num_moved_slots > 0 and report.plan_s > 0
+    assert planner_threads and threading.get_ident() not in planner_threads
+    assert not np.array_equal(runtime.placement.phy2log, before)
+    torch.testing.assert_close(run(model, x), want, rtol=1e-5, atol=1e-5)
+    for _ in range(2):  # step 8: due again; a forced rebalance supersedes the pending plan
+        run(model, x)
+        runtime.end_step()
+    assert runtime.rebalancer.pending
+    forced = runtime.end_step(force_rebalance=True)
+    assert forced is not None and not runtime.rebalancer.pending
+    assert planner_threads[-1] == threading.get_ident()  # planned at once, on the step path
+    torch.testing.assert_close(run(model, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_ahead_default_is_a_quarter_interval_capped():
+    assert EPLBConfig(step_interval=3).plan_ahead == 0  # short intervals: plan at the step
+    assert EPLBConfig(step_interval=16).plan_ahead == 4
+    assert EPLBConfig(step_interval=3000).plan_ahead == 64
+    assert EPLBConfig(step_interval=3000, plan_ahead_steps=0).plan_ahead == 0
+    assert EPLBConfig.from_json('{"plan_ahead_steps": 8}').plan_ahead == 8
+    with pytest.raises(ValueError, match="plan_ahead_steps"):
+        EPLBConfig(plan_ahead_steps=-2)
