@@ -231,6 +231,12 @@ class LLMEngine:
                           ("allowed_token_ids", params.allowed_token_ids or [])):
             if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"{name} token ids must be integers in [0, {vocab})")
+        # Before min_tokens, EOS and stop ids are masked: allowed ids among them only would
+        # leave every logit -inf and sample an arbitrary (disallowed) token.
+        if params.min_tokens > 0 and params.allowed_token_ids is not None and set(
+                params.allowed_token_ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
+            raise ValueError("allowed_token_ids leaves no token to sample before min_tokens "
+                             "(every allowed id is EOS or a stop token id)")
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt

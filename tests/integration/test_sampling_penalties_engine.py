@@ -87,3 +87,14 @@ def test_speculation_gives_the_same_tokens(make_engine_llm, engine_base_llm):
         if label == "greedy":  # several tokens per step happened
             assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
     assert set(want[2][0].outputs[0].token_ids) <= {11, 198, 253, 2380, 3380}
+
+
+def test_allowed_ids_that_min_tokens_masks_are_refused(engine_base_llm):
+    """Every allowed id masked before min_tokens would sample an arbitrary token."""
+    eos = engine_base_llm.engine.eos_token_ids[0]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine_base_llm.generate(["Hi"], SamplingParams(allowed_token_ids=[eos], min_tokens=1,
+                                                        max_tokens=4))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine_base_llm.generate(["Hi"], SamplingParams(allowed_token_ids=[5], min_tokens=1,
+                                                        stop_token_ids=[5], max_tokens=4))
