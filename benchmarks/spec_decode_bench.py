@@ -190,6 +190,9 @@ def main() -> int:
     parser.add_argument("--num-random-batch1", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--random-prompt-len", type=int, default=256)
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="run only these (code_batch1 code_batch16 random_batch1 random_batch16); "
+                             "default: all")
     add_workload_args(parser)
     args = parser.parse_args()
 
@@ -215,11 +218,13 @@ def main() -> int:
                                          args.num_random_batch1)):
         plain_tokens = {}
         for batch, n in ((1, n1), (args.batch, args.batch)):
+            if args.cases is not None and f"{label}_batch{batch}" not in args.cases:
+                continue
             start = time.perf_counter()
             r, plain_tokens[batch] = measure(base, spec, prompts[:n],
                                              p if not isinstance(p, list) else p[:n], chat, batch)
             r["wall_s"] = time.perf_counter() - start
-            if batch != 1:  # numerics alone: the plain engine, batch 1 against this batch
+            if batch != 1 and 1 in plain_tokens:  # numerics alone: the plain engine, batch 1 against this batch
                 same = sum(a == b for a, b in zip(plain_tokens[1], plain_tokens[batch]))
                 r["plain_batch1_vs_this_batch_equal"] = f"{same}/{min(n1, n)}"
             results[f"{label}_batch{batch}"] = r

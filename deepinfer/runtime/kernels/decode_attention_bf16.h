@@ -22,67 +22,120 @@ static inline __m512 widen16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/*   q, out     the G query rows [G, D] of this task (adjacent heads)
+/* Query rows that read the same K/V: `nrows` decode rows of one sequence (a speculative
+ * verification's 1 + k positions share the block table), each with its G heads of KV head h
+ * and its own context length lens[r] (causal: row r attends to tokens [0, lens[r])). Every
+ * K/V row is loaded and widened once for all nrows * G query rows; at ~1000 tokens of context
+ * the 6 rows of a k = 5 verification read ~23 MB of K/V per row otherwise. Each query row's
+ * arithmetic (score, max, exp and sum, weighted sum, all in token order) is the one-row
+ * computation, so a row's result does not depend on the rows grouped with it; the one-row
+ * entry below calls this same function with nrows = 1.
+ *
+ *   q, out     row r's G query rows at q + r * q_stride, [G, D] (adjacent heads); its output
+ *              at out + r * out_stride
  *   kc, vc     one layer's cache [num_blocks, BS, KV, D]; tab: the sequence's block ids
- *   scores     scratch of G * score_stride floats, score_stride >= len */
-SHARED_ROW_FN void decode_task_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                                    const int64_t *tab, int64_t len, uint16_t *out, int KV,
-                                    int G, int D, int BS, int h, float scale, float *scores,
-                                    int64_t score_stride) {
-    const int NV = D / 16;
+ *   scores     scratch of nrows * G * score_stride floats, score_stride >= every lens[r]
+ *   nrows * G <= DECODE_MAX_G */
+SHARED_ROW_FN void decode_rows_bf16_avx512(const uint16_t *q, int64_t q_stride, int nrows,
+                                           const uint16_t *kc, const uint16_t *vc,
+                                           const int64_t *tab, const int64_t *lens, uint16_t *out,
+                                           int64_t out_stride, int KV, int G, int D, int BS, int h, float scale,
+                                           float *scores, int64_t score_stride) {
+    const int NV = D / 16, NQ = nrows * G;
     const int64_t row = (int64_t)KV * D; /* elements from one token's K row to the next */
     __m512 qv[DECODE_MAX_G][DECODE_MAX_D / 16], acc[DECODE_MAX_G][DECODE_MAX_D / 16];
     __m512 kv[DECODE_MAX_D / 16];
     float mx[DECODE_MAX_G], sum[DECODE_MAX_G];
+    int64_t qlen[DECODE_MAX_G], len = 0;
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int g = 0; g < G; g++) {
-        const uint16_t *qp = q + (int64_t)g * D;
+    for (int a = 0; a < NQ; a++) {
+        const uint16_t *qp = q + (int64_t)(a / G) * q_stride + (int64_t)(a % G) * D;
         for (int i = 0; i < NV; i++) {
-            qv[g][i] = _mm512_mul_ps(widen16(qp + 16 * i), sc);
-            acc[g][i] = _mm512_setzero_ps();
+            qv[a][i] = _mm512_mul_ps(widen16(qp + 16 * i), sc);
+            acc[a][i] = _mm512_setzero_ps();
         }
-        mx[g] = -FLT_MAX; sum[g] = 0.f; /* finite: built with -ffast-math */
+        mx[a] = -FLT_MAX; sum[a] = 0.f; /* finite: built with -ffast-math */
+        qlen[a] = lens[a / G];
+        if (qlen[a] > len) len = qlen[a];
     }
     for (int64_t t0 = 0; t0 < len; t0 += BS) {
         const uint16_t *kp = kc + (tab[t0 / BS] * BS * KV + h) * D;
         const int n = len - t0 < BS ? (int)(len - t0) : BS;
         for (int j = 0; j < n; j++, kp += row) {
             for (int i = 0; i < NV; i++) kv[i] = widen16(kp + 16 * i);
-            for (int g = 0; g < G; g++) {
-                __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-                for (int i = 1; i < NV; i++) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
+            for (int a = 0; a < NQ; a++) {
+                if (t0 + j >= qlen[a]) continue;
+                __m512 s = _mm512_mul_ps(qv[a][0], kv[0]);
+                for (int i = 1; i < NV; i++) s = _mm512_fmadd_ps(qv[a][i], kv[i], s);
                 const float f = _mm512_reduce_add_ps(s);
-                scores[g * score_stride + t0 + j] = f;
-                if (f > mx[g]) mx[g] = f;
+                scores[a * score_stride + t0 + j] = f;
+                if (f > mx[a]) mx[a] = f;
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int64_t t = 0; t < len; t++) {
-            const float e = expf(scores[g * score_stride + t] - mx[g]);
-            scores[g * score_stride + t] = e;
-            sum[g] += e;
+    for (int a = 0; a < NQ; a++)
+        for (int64_t t = 0; t < qlen[a]; t++) {
+            const float e = expf(scores[a * score_stride + t] - mx[a]);
+            scores[a * score_stride + t] = e;
+            sum[a] += e;
         }
     for (int64_t t0 = 0; t0 < len; t0 += BS) {
         const uint16_t *vp = vc + (tab[t0 / BS] * BS * KV + h) * D;
         const int n = len - t0 < BS ? (int)(len - t0) : BS;
         for (int j = 0; j < n; j++, vp += row) {
             for (int i = 0; i < NV; i++) kv[i] = widen16(vp + 16 * i);
-            for (int g = 0; g < G; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g * score_stride + t0 + j]);
-                for (int i = 0; i < NV; i++) acc[g][i] = _mm512_fmadd_ps(p, kv[i], acc[g][i]);
+            for (int a = 0; a < NQ; a++) {
+                if (t0 + j >= qlen[a]) continue;
+                const __m512 p = _mm512_set1_ps(scores[a * score_stride + t0 + j]);
+                for (int i = 0; i < NV; i++) acc[a][i] = _mm512_fmadd_ps(p, kv[i], acc[a][i]);
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        uint16_t *op = out + (int64_t)g * D;
-        const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+    for (int a = 0; a < NQ; a++) {
+        uint16_t *op = out + (int64_t)(a / G) * out_stride + (int64_t)(a % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / sum[a]);
         float tmp[16];
         for (int i = 0; i < NV; i++) {
-            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][i], inv));
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[a][i], inv));
             for (int e = 0; e < 16; e++) op[16 * i + e] = f32_to_bf16(tmp[e]);
         }
     }
 }
+
+/* One row: the G query rows of KV head h over `len` tokens (scores: G * score_stride floats). */
+static inline void decode_task_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+                                           const int64_t *tab, int64_t len, uint16_t *out, int KV,
+                                           int G, int D, int BS, int h, float scale, float *scores,
+                                           int64_t score_stride) {
+    decode_rows_bf16_avx512(q, 0, 1, kc, vc, tab, &len, out, 0, KV, G, D, BS, h, scale, scores,
+                            score_stride);
+}
 #endif
+
+/* Groups of consecutive rows that share one sequence's K/V (the same block-table row), at most
+ * DECODE_MAX_G / G rows each: first[i], count[i] for i < the returned number of groups. With
+ * `parts` > 1 each run of rows is cut into up to `parts` groups, so that a step of one
+ * verification still gives every thread work when the KV heads alone do not divide evenly. */
+static inline int decode_row_groups(const int64_t *tables, int W, int R, int G, int parts,
+                                    int *first, int *count) {
+    const int cap = G >= 1 && G <= DECODE_MAX_G ? DECODE_MAX_G / G : 1;
+    int n = 0;
+    for (int r = 0; r < R;) {
+        int e = r + 1;
+        while (e < R && memcmp(tables + (int64_t)e * W, tables + (int64_t)r * W,
+                               sizeof(int64_t) * (size_t)W) == 0)
+            e++;
+        const int run = e - r, pieces = parts < run ? parts : run;
+        for (int i = 0; i < pieces; i++) {
+            const int a = r + run * i / pieces, b = r + run * (i + 1) / pieces;
+            for (int c = a; c < b; c += cap) {
+                first[n] = c;
+                count[n] = b - c < cap ? b - c : cap;
+                n++;
+            }
+        }
+        r = e;
+    }
+    return n;
+}
 #endif

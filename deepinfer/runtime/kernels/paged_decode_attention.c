@@ -96,21 +96,32 @@ static int decode_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint1
                               int KV, int G, int D, int BS, int W, float scale, int num_threads) {
     int64_t max_len = 1;
     for (int b = 0; b < B; b++) if (lens[b] > max_len) max_len = lens[b];
+    /* rows of one sequence (a verification's 1 + k) read its K/V once: decode_row_groups */
+    int *first = (int *)malloc(sizeof(int) * 2 * (size_t)B);
+    if (!first) return 1;
+    int *count = first + B;
+    const int groups = decode_row_groups(tables, W, B, G, num_threads > 1 && KV % num_threads ? num_threads : 1,
+                                         first, count);
+    int max_rows = 1;
+    for (int i = 0; i < groups; i++) if (count[i] > max_rows) max_rows = count[i];
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_len);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)max_rows * G * (size_t)max_len);
         if (!scores) failed = 1;
         _Pragma("omp for schedule(dynamic, 1)")
-        for (int task = 0; task < B * KV; task++) {
+        for (int task = 0; task < groups * KV; task++) {
             if (!scores) continue;
-            const int b = task / KV, h = task % KV;
-            const int64_t first = (int64_t)b * KV * G + (int64_t)h * G; /* first query row */
-            decode_task_bf16_avx512(q + first * D, kc, vc, tables + (int64_t)b * W, lens[b],
-                                    out + first * D, KV, G, D, BS, h, scale, scores, max_len);
+            const int b = first[task / KV], h = task % KV;
+            const int64_t at = ((int64_t)b * KV * G + (int64_t)h * G) * D; /* first query row */
+            decode_rows_bf16_avx512(q + at, (int64_t)KV * G * D, count[task / KV], kc, vc,
+                                    tables + (int64_t)b * W, lens + b, out + at,
+                                    (int64_t)KV * G * D, KV, G, D, BS, h,
+                                    scale, scores, max_len);
         }
         free(scores);
     }
+    free(first);
     return failed;
 }
 #endif
