@@ -101,6 +101,10 @@ def split_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> dict[s
 
     saved = (PackedLinear.forward, F.scaled_dot_product_attention)
     PackedLinear.forward = timed("linear", PackedLinear.forward)
+    # fp32 logits straight from the C GEMV at <= 8 rows (a tree without it has no such method)
+    saved_logits = getattr(PackedLinear, "logits_f32", None)
+    if saved_logits is not None:
+        PackedLinear.logits_f32 = timed("linear", saved_logits)
     F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
     kernel = engine.runner.decode_kernel
     fns = dict(kernel._fns) if kernel is not None else {}
@@ -121,6 +125,8 @@ def split_case(engine: LLMEngine, step: SchedulerOutput, repeats: int) -> dict[s
             rows.append({**acc, "total": time.process_time() - c})
     finally:
         PackedLinear.forward, F.scaled_dot_product_attention = saved
+        if saved_logits is not None:
+            PackedLinear.logits_f32 = saved_logits
         if kernel is not None:
             kernel._fns = fns
         if stack is not None:
