@@ -109,7 +109,10 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
                 "cpu_s": cpu, "cluster_counters": cluster_counters(port),
                 "workers": {w: {k: v - workers_before.get(w, {}).get(k, 0.0)
                                 for k, v in c.items()} for w, c in workers_after.items()},
-                "first_error": next((r.error for r in run.results if not r.success), None)}
+                "first_error": next((r.error for r in run.results if not r.success), None),
+                # Per request (sorted): shows which step each first token came out of.
+                "ttfts_ms": sorted(1e3 * (r.start_s + r.ttft_s) for r in run.results
+                                   if r.ttft_s is not None)}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -368,6 +371,9 @@ def main() -> None:
                 "errors_measured_sharing": measured_sharing_errors(real["summary"], profile,
                                                                    pools, workload),
                 "measured_summary_obj": real["summary"],
+                "measured_first_token_times_ms": real["ttfts_ms"],
+                "simulated_first_token_times_ms": sorted(
+                    1e3 * r.token_times_s[0] for r in sim_run.records if r.token_times_s),
                 "measured_failed": real["summary"].num_failed,
                 "measured_first_error": real["first_error"],
                 "simulated_failed": sim.num_failed}
