@@ -142,7 +142,8 @@ async def run_group(directory: str, args, redundant: int | None) -> dict:
     eplb = redundant is not None
     ep = EPConfig(data_parallel_size=args.ranks, enable_expert_parallel=True, enable_eplb=eplb,
                   eplb=EPLBConfig(window_size=args.window, step_interval=args.window,
-                                  num_redundant_experts=redundant or 0))
+                                  num_redundant_experts=redundant or 0,
+                                  plan_ahead_steps=args.plan_ahead))
     config = EngineConfig(model=directory, dtype="float32", num_kv_blocks=512, num_threads=1,
                           max_num_seqs=args.requests // args.ranks)
     client = DataParallelClient(config, ep, ready_timeout_s=600)
@@ -182,7 +183,8 @@ async def run_group(directory: str, args, redundant: int | None) -> dict:
             "expert_cpu_ms_max": history[0].expert_cpu_ms_max if history else None,
             "expert_cpu_ms_mean": history[0].expert_cpu_ms_mean if history else None,
             "num_rebalances": group.num_rebalances,
-            "rebalance_ms_mean": mean([h.duration_s * 1e3 for h in history]),
+            "rebalance_ms_mean": mean([h.duration_s * 1e3 for h in history]),  # steps stalled
+            "plan_ms_mean": mean([h.plan_s * 1e3 for h in history]),
             "moved_bytes_per_rebalance": mean([h.moved_bytes for h in history]),
             "itl_median_ms": float(np.median(itl) * 1e3), "itl_mean_ms": float(itl.mean() * 1e3),
             "output_tokens_per_s": args.requests * args.max_tokens / wall,
@@ -202,7 +204,8 @@ def describe(run: dict) -> str:
             f"rank expert CPU {num('static_expert_cpu_ms_max', '.1f')} -> "
             f"{num('expert_cpu_ms_max', '.1f')} ms/step (mean rank {num('expert_cpu_ms_mean', '.1f')}); "
             f"ITL median {run['itl_median_ms']:.1f} ms, {run['output_tokens_per_s']:.0f} tok/s; "
-            f"rebalance {num('rebalance_ms_mean', '.0f')} ms moving "
+            f"rebalance stalls steps {num('rebalance_ms_mean', '.0f')} ms (planning "
+            f"{num('plan_ms_mean', '.0f')} ms) moving "
             f"{num('moved_bytes_per_rebalance', '.0f')} B; experts "
             f"{run['expert_bytes_per_rank'] / 2**20:.1f} MiB/rank, redundant "
             f"{run['redundant_expert_bytes'] / 2**20:.1f} MiB")
@@ -255,6 +258,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=8, help="EPLB window and step interval")
+    ap.add_argument("--plan-ahead", type=int, default=-1,
+                    help="eplb plan_ahead_steps (-1: auto, 0: plan at the due step)")
     ap.add_argument("--offline-only", action="store_true", help="skip the EP=4 runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)

@@ -11,9 +11,10 @@ class EPLBConfig:
     step_interval: int = 3000  # rebalance every this many steps (of the whole EP group)
     num_redundant_experts: int = 0  # extra physical slots per MoE layer (replicas of hot experts)
     log_balancedness: bool = False  # log every step's group-wide balancedness (one more all-reduce)
-    # DeepInfer: group steps between a scheduled rebalance's agreement on the window and its
-    # moves, while a background thread plans (0: plan at the due step, stalling it; -1: auto,
-    # step_interval // 4 capped at 64). Forced rebalances always plan at once.
+    # DeepInfer: a scheduled rebalance agrees on the window at the due step, plans in a
+    # background thread and moves at least this many group steps later, once every rank's plan
+    # is done (0: plan at the due step, stalling it; -1: auto, step_interval // 4 capped at 64).
+    # Forced rebalances always plan at once.
     plan_ahead_steps: int = -1
 
     @property

@@ -12,9 +12,9 @@ on the new layout and on every transfer without further messages.
 
 Planning takes seconds for DeepSeek-V3-sized layers, so a scheduled rebalance can plan off the
 step path (`begin` / `finish`): the window is agreed at the due step, a background thread
-plans (and relabels) from it while the group keeps stepping, and every rank applies the plan
-at the same later step (`apply_at`, a step count, so no extra agreement is needed); a rank
-whose thread is not done by then waits only for the rest of it.
+plans (and relabels) from it while the group keeps stepping, and from a later step
+(`apply_at`) the ranks all-reduce "my plan is done" after each step and apply it together at
+the first step where every rank's is: no step waits for planning.
 """
 from __future__ import annotations
 
@@ -111,14 +111,21 @@ class ExpertRebalancer:
         return True
 
     def finish(self, step: int) -> RebalanceReport | None:
-        """Collective when a plan is due at `step` (the same step on every rank): wait for
-        the rest of the planning, if any, then move and switch."""
+        """Collective from the step a plan is due (the same step on every rank, as is every
+        later call): once every rank's thread has finished (one all-reduce of a flag per step
+        until then, so no step waits for planning), move and switch."""
         pending = self._pending
         if pending is None or step < pending.apply_at:
             return None
+        if dist.is_initialized():
+            ready = torch.tensor([int(not pending.thread.is_alive())], dtype=torch.long,
+                                 device=self._comm_device())
+            dist.all_reduce(ready, group=self.group)
+            if int(ready.item()) < self.layers[0].world_size:
+                return None  # someone is still planning: try again after the next step
         self._pending = None
         start = time.perf_counter()
-        pending.thread.join()
+        pending.thread.join()  # one process: no peers to keep stepping with
         if pending.error is not None:
             raise pending.error
         return self._apply(pending.result, pending.loads, pending.cpu_ms, step, start,
