@@ -42,6 +42,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: a word's last token is banned where the output ends with the rest of
+    # it. The engine tokenizes the words into `bad_words_token_ids` (`resolve_bad_words`).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +56,9 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -83,6 +90,8 @@ class SamplingParams:
             (self.allowed_token_ids is None or (
                 len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids must be a non-empty list of token ids"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             "bad_words must be non-blank strings"),
         ]
         for ok, message in checks:
             if not ok:
@@ -94,11 +103,28 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """Whether sampling reads the tokens before the position (the penalties)."""
+        """Whether sampling reads the tokens before the position (penalties, bad words)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or bool(self.bad_words))
 
     @property
     def processes_logits(self) -> bool:
         """Whether any of the logit processing above applies (min_tokens aside)."""
         return self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with `bad_words_token_ids` filled as vLLM does: each word's tokens without a
+    leading space, and with one when that encodes as a different word of as many tokens (so
+    the word is banned at the start of the text and after a space)."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    import dataclasses
+    ids: list[list[int]] = []
+    for word in params.bad_words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        ids.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            ids.append(spaced)
+    return dataclasses.replace(params, bad_words_token_ids=[t for t in ids if t])

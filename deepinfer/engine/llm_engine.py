@@ -23,7 +23,7 @@ from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, resolve_bad_words
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
         images = self._check_images(prompt_token_ids, mm_inputs)
+        params = resolve_bad_words(params, self.tokenizer)
         self._validate_stop_token_ids(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -228,7 +229,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         # Likewise the ids logit_bias and allowed_token_ids index.
         for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", [t for w in params.bad_words_token_ids or [] for t in w])):
             if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
                 raise ValueError(f"{name} token ids must be integers in [0, {vocab})")
         # Before min_tokens, EOS and stop ids are masked: allowed ids among them only would
@@ -268,6 +270,7 @@ class LLMEngine:
         """The prompt and params `add_request` would queue (max_tokens resolved); ValueError
         for bad input. Records nothing."""
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        params = resolve_bad_words(params, self.tokenizer)
         return prompt_token_ids, self._resolve_max_tokens(params, len(prompt_token_ids))
 
     def adopt_request_state(self, state: RequestState) -> None:

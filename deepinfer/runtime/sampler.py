@@ -174,26 +174,36 @@ def apply_logit_processing(row: Tensor, r: ScheduledRequest) -> None:
 
 
 def apply_penalties(row: Tensor, r: ScheduledRequest) -> None:
-    """Repetition (prompt and output), frequency and presence (output) penalties on one [V]
-    logits row in place, as vLLM defines them."""
+    """Repetition (prompt and output), frequency and presence (output) penalties, then bad
+    words (a word's last token where the output ends with the rest), on one [V] logits row in
+    place, as vLLM defines them."""
     params = r.sampling_params
     history = r.history_token_ids
     if history is None:
         raise ValueError(f"request {r.request_id}: penalties need history_token_ids")
+    # Only the tokens seen are touched: O(history), not O(vocabulary), per row.
     vocab = row.shape[0]
-    tokens = torch.tensor(history, dtype=torch.long, device=row.device)
     num_prompt = len(history) - r.num_output_tokens
-    output_counts = torch.bincount(tokens[num_prompt:], minlength=vocab)[:vocab].to(row.dtype)
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[tokens[tokens < vocab]] = True
+        seen = torch.tensor(sorted({t for t in history if t < vocab}), dtype=torch.long,
+                            device=row.device)
+        values = row[seen]
         penalty = params.repetition_penalty
-        penalised = torch.where(row > 0, row / penalty, row * penalty)
-        row.copy_(torch.where(seen, penalised, row))
-    if params.frequency_penalty != 0.0:
-        row -= params.frequency_penalty * output_counts
-    if params.presence_penalty != 0.0:
-        row -= params.presence_penalty * (output_counts > 0).to(row.dtype)
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) \
+            and r.num_output_tokens > 0:
+        output = torch.tensor(history[num_prompt:], dtype=torch.long, device=row.device)
+        ids, counts = torch.unique(output, return_counts=True)
+        row[ids] -= (params.frequency_penalty * counts.to(row.dtype)
+                     + params.presence_penalty)
+    if params.bad_words:
+        if params.bad_words_token_ids is None:
+            raise ValueError(f"request {r.request_id}: bad_words were never tokenized")
+        output = history[num_prompt:]
+        for word in params.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                row[word[-1]] = float("-inf")
 
 
 def row_argmax(x: Tensor) -> Tensor:

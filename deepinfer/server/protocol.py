@@ -65,7 +65,7 @@ class UsageInfo(BaseModel):
 _OFF = (None, False, [], {}, "")
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM sampling extensions
-    "bad_words": _OFF, "prompt_logprobs": _OFF, "use_beam_search": _OFF,
+    "prompt_logprobs": _OFF, "use_beam_search": _OFF,
     "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
     "logits_processors": _OFF, "structured_outputs": _OFF, "guided_json": _OFF,
     "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF,
@@ -79,10 +79,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
     "echo": _OFF, "add_special_tokens": (None, False),
 }
-# Completion-only differences from the chat table (completion `echo` and
-# `add_special_tokens` are declared fields).
-UNSUPPORTED_COMPLETION_FIELDS = {k: v for k, v in UNSUPPORTED_FIELDS.items()
-                                 if k not in ("echo", "add_special_tokens")}
+# (A request's declared fields never reach this table: completions' `echo` and
+# `add_special_tokens` are checked by the endpoint.)
 
 
 class _SamplingFields(BaseModel):
@@ -113,6 +111,7 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 

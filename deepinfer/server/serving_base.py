@@ -21,8 +21,7 @@ from deepinfer.server.engine_client import EngineClient, EngineDeadError, Reques
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.protocol import (UNSUPPORTED_COMPLETION_FIELDS, UNSUPPORTED_FIELDS,
-                                       PromptTokensDetails, UsageInfo)
+from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, UsageInfo
 
 logger = logging.getLogger(__name__)
 # Unknown request fields already logged (once per name per process: clients send the same
@@ -166,13 +165,12 @@ class OpenAIServing:
         return self.gate.admit(num_new_requests)
 
     @staticmethod
-    def reject_unsupported(request, completion: bool = False) -> None:
+    def reject_unsupported(request) -> None:
         """400 naming the first option we know and do not implement, unless it is sent with
         its "off" value; other unknown fields are accepted and logged once per name."""
-        table = UNSUPPORTED_COMPLETION_FIELDS if completion else UNSUPPORTED_FIELDS
         for name, value in (request.model_extra or {}).items():
-            if name in table:
-                if not any(_same_value(value, off) for off in table[name]):
+            if name in UNSUPPORTED_FIELDS:
+                if not any(_same_value(value, off) for off in UNSUPPORTED_FIELDS[name]):
                     raise bad_request(f"{name} is not supported by this server", param=name,
                                       code="unsupported_parameter")
             elif name not in _logged_unknown_fields:
@@ -269,7 +267,8 @@ class OpenAIServing:
                 frequency_penalty=request.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if request.repetition_penalty is None
                 else request.repetition_penalty,
-                logit_bias=logit_bias, allowed_token_ids=allowed)
+                logit_bias=logit_bias, allowed_token_ids=allowed,
+                bad_words=request.bad_words or [])
         except ValueError as e:  # the messages start with the field's name
             name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), param=name if name in type(request).model_fields

@@ -75,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prepare(self, request: CompletionRequest):
         self.check_model(request.model)
-        self.reject_unsupported(request, completion=True)
+        self.reject_unsupported(request)
         if request.echo:
             raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
         if request.suffix:

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = ["Repeat after me: red, green, blue, red, green, blue, red, green,",
            "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return"]
-MAX_TOKENS = 16
+MAX_TOKENS = 10
 PENALISED = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                  presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3,
                  logit_bias={11: 2.5})  # 11 is ","
@@ -67,7 +67,7 @@ def test_penalised_greedy_matches_the_torch_reference(engine_base_llm, hf_refere
 # Mild enough that the repeats n-gram drafts bet on still happen (drafts get accepted), strong
 # enough to move logits: a penalty counted once per step instead of per position would differ.
 MILD = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=0.3,
-            repetition_penalty=1.05, logit_bias={11: 0.5})
+            repetition_penalty=1.05, logit_bias={11: 0.5}, bad_words=["blue"])
 
 
 def test_speculation_gives_the_same_tokens(make_engine_llm, engine_base_llm):
@@ -87,6 +87,7 @@ def test_speculation_gives_the_same_tokens(make_engine_llm, engine_base_llm):
         if label == "greedy":  # several tokens per step happened
             assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
     assert set(want[2][0].outputs[0].token_ids) <= {11, 198, 253, 2380, 3380}
+    assert "blue" not in want[0][0].outputs[0].text  # the prompt's pattern says blue next
 
 
 def test_allowed_ids_that_min_tokens_masks_are_refused(engine_base_llm):

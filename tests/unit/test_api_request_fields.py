@@ -71,6 +71,7 @@ IMPLEMENTED = [
     (dict(repetition_penalty=1.3), "repetition_penalty", 1.3),
     (dict(logit_bias={"5": 3.0, "7": -100}), "logit_bias", {5: 3.0, 7: -100.0}),
     (dict(allowed_token_ids=[3, 4, 5]), "allowed_token_ids", [3, 4, 5]),
+    (dict(bad_words=["red", "blue sky"]), "bad_words", ["red", "blue sky"]),
     (dict(top_k=5), "top_k", 5), (dict(min_p=0.2), "min_p", 0.2),
     (dict(min_tokens=3), "min_tokens", 3), (dict(stop_token_ids=[9]), "stop_token_ids", [9]),
     (dict(seed=11), "seed", 11), (dict(n=3), "n", 3),
@@ -116,7 +117,7 @@ BAD_VALUES = [
     (dict(allowed_token_ids=[VOCAB]), "allowed_token_ids"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(bad_words=[" "]), "bad_words"),
 ]
 
 
@@ -134,7 +135,7 @@ def test_bad_values_name_the_field(completion, fields, param):
 # --- options we do not implement: a 400 naming them, unless sent "off" ----------------------
 
 UNSUPPORTED_BOTH = [
-    ("use_beam_search", True), ("bad_words", ["red"]), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("prompt_logprobs", 1),
     ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
@@ -165,7 +166,7 @@ def test_completion_rejects_unsupported_options(completion, name, value):
 
 
 OFF_VALUES = [("use_beam_search", False), ("length_penalty", 1), ("length_penalty", 1.0),
-              ("spaces_between_special_tokens", True), ("bad_words", []), ("priority", 0),
+              ("spaces_between_special_tokens", True), ("priority", 0),
               ("prompt_logprobs", None), ("guided_json", None), ("tool_choice", "none"),
               ("modalities", ["text"]), ("response_format", {"type": "text"})]
 

@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.core.scheduler_output import ScheduledRequest
 from deepinfer.runtime.sampler import Sampler
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, resolve_bad_words
 from deepinfer.spec.verifier import SpecVerifier
 
 V = 50
@@ -123,7 +123,41 @@ def test_params_cross_the_engine_wire():
     from deepinfer.server.messages import AddRequest, make_encoder
     import msgspec
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
-                       logit_bias={3: 1.5}, allowed_token_ids=[3, 4])
+                       logit_bias={3: 1.5}, allowed_token_ids=[3, 4], bad_words=["a b"],
+                       bad_words_token_ids=[[5, 6]])
     msg = AddRequest("x", [1], p, 0.0)
     back = msgspec.msgpack.decode(make_encoder().encode(msg), type=AddRequest)
     assert dataclasses.asdict(back.sampling_params) == dataclasses.asdict(p)
+
+
+class WordTokenizer:
+    """Words (with their leading space) are tokens: "red" 20, " red" 21, "blue" 22, " blue"
+    23, " sky" 24, "sky" 25."""
+    VOCAB = {"red": 20, " red": 21, "blue": 22, " blue": 23, " sky": 24, "sky": 25}
+
+    def encode(self, text, add_special_tokens=True):
+        import re
+        return [self.VOCAB[w] for w in re.findall(r" ?\S+", text)]
+
+
+def test_bad_words_are_tokenized_with_and_without_a_space():
+    params = resolve_bad_words(SamplingParams(bad_words=["red", " blue sky"]), WordTokenizer())
+    assert params.bad_words_token_ids == [[20], [21], [22, 24], [23, 24]]
+
+
+@pytest.mark.parametrize("output,banned", [
+    ([], {20, 21}), ([5], {20, 21}), ([5, 22], {20, 21, 24}), ([23], {20, 21, 24}),
+    ([22, 5], {20, 21})])
+def test_bad_words_ban_the_last_token_after_the_rest(output, banned):
+    """vLLM: a word's last token is banned where the output ends with the word's other tokens
+    (the prompt does not count)."""
+    params = resolve_bad_words(SamplingParams(temperature=0.0, bad_words=["red", "blue sky"]),
+                               WordTokenizer())
+    logits = torch.zeros(1, V)
+    Sampler.process_logits(logits, [row(params, [22], output)])  # prompt ends with "blue"
+    assert set(torch.nonzero(logits[0] == float("-inf")).flatten().tolist()) == banned
+
+
+def test_unresolved_bad_words_are_an_error_not_ignored():
+    with pytest.raises(ValueError, match="bad_words"):
+        Sampler.process_logits(torch.zeros(1, V), [row(SamplingParams(bad_words=["x"]), [1], [])])
