@@ -6,6 +6,8 @@ once and dots it with every input row. `cpu_linear_packing.PackedLinear` routes 
 most `MAX_ROWS` rows here when the kernel is loaded and passed its self-test against F.linear
 (odd widths, tails that are not a multiple of the vector length, bias or not, 1..MAX_ROWS
 rows, 1 and N threads). DEEPINFER_SMALL_BATCH_LINEAR=0 keeps oneDNN for every batch.
+`dots_f32` is the same GEMV left in float32 (no bf16 rounding): the LM head's logits at
+1..MAX_ROWS rows (models/llama.compute_logits via PackedLinear.logits_f32).
 """
 from __future__ import annotations
 
