@@ -28,6 +28,10 @@ class SimPrefixStore:
         self.num_reads += 1
         return True
 
+    def contains(self, block_hash: bytes) -> bool:
+        """Present, without counting a read or refreshing it (a waiter polling the store)."""
+        return block_hash in self._blocks
+
     def put_many(self, block_hashes: Iterable[bytes]) -> int:
         """Store blocks (a background write that completed); returns how many were new."""
         num_new = 0

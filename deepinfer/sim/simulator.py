@@ -12,7 +12,10 @@ token → KV staged, prompt blocks written through to the store (background; the
 for publishing them, as measured, is added to its next step) → decode router →
 decode worker allocates (FIFO while full) → KV transfer (latency + bytes / bandwidth, one at a
 time per destination) → running decode until `output_len` tokens. Colocated: arrival →
-router (when there are several instances) → one scheduler does everything.
+router (when there are several instances) → one scheduler does everything. When the prefill
+router plans to *await* a prefix (computed by another worker, or just published), the
+request is held at its worker, as the real one holds it, until those blocks are in the store
+or the plan's deadline passes, then admitted with what the store has.
 
 Host contention: with `host_cores`, busy workers share the cores. `fair` (processor
 sharing): while the busy workers' threads exceed the cores, each step advances at cores /
@@ -72,6 +75,10 @@ class ClusterSimulator:
         self._events: list = []
         self._seq = itertools.count()
         self._link_free_at: dict[str, float] = {}  # per decode worker: inbound KV link
+        # Requests held at a prefill worker until an awaited prefix is in the store:
+        # request id -> (worker, record, the block hashes awaited).
+        self._awaiting: dict[str, tuple[SimWorker, SimRequest, list[bytes]]] = {}
+        self.num_awaited = 0
         self.num_transfers = 0
         self.transfer_bytes = 0.0
         self._speed_table = self._measured_speeds() if cluster.host_sharing == "measured" else None
@@ -134,11 +141,42 @@ class ClusterSimulator:
             except (NoWorkerAvailable, ValueError) as e:
                 record.error = str(e)
                 return
-            # A plan to await a prefix another worker is computing is not modelled: the
-            # worker computes (or loads from the store) what it finds when it admits.
-            self.prefill_router.take_prefix_plan(record.request_id)
+            plan = self.prefill_router.take_prefix_plan(record.request_id)
+            if plan is not None and plan.num_await_blocks and self.store is not None:
+                record.prefill_worker = worker.worker_id
+                self._await_prefix(worker, record, plan.num_await_blocks, plan.await_until)
+                return
         record.prefill_worker = worker.worker_id
         self._deliver(worker, record)
+
+    # ---- awaited prefixes ------------------------------------------------------------------
+    def _await_prefix(self, worker: SimWorker, record: SimRequest, num_blocks: int,
+                      until: float | None) -> None:
+        """Hold the request until its first `num_blocks` blocks are in the store, or `until`."""
+        hashes = record.block_hashes[:num_blocks]
+        if self._in_store(hashes):
+            self._deliver(worker, record)
+            return
+        self.num_awaited += 1
+        self._awaiting[record.request_id] = (worker, record, hashes)
+        if until is not None:
+            self._at(max(self.now, until), self._release_awaiting, record.request_id)
+
+    def _in_store(self, hashes: list[bytes]) -> bool:
+        return all(self.store.contains(h) for h in hashes)
+
+    def _release_awaiting(self, request_id: str) -> None:
+        held = self._awaiting.pop(request_id, None)
+        if held is not None:
+            worker, record, _ = held
+            self._deliver(worker, record)
+
+    def _store_put(self, block_hashes: list[bytes]) -> None:
+        """A store write landed: release the requests whose awaited prefix is now complete."""
+        self.store.put_many(block_hashes)
+        for request_id, (_, _, hashes) in list(self._awaiting.items()):
+            if self._in_store(hashes):
+                self._release_awaiting(request_id)
 
     def _deliver(self, worker: SimWorker, message) -> None:
         delay = self.cluster.front_latency_ms / 1e3
@@ -292,7 +330,7 @@ class ClusterSimulator:
         if self.store is not None:
             num_bytes = record.prompt_len * worker.step_model.kv_bytes_per_token
             self._at(self.now + self.cluster.prefix_store.link.seconds(num_bytes),
-                     self.store.put_many, list(record.block_hashes))
+                     self._store_put, list(record.block_hashes))
             # The worker's own CPU for publishing the blocks it computed (copy out, encode,
             # checksum and write; measured by `deepinfer profile`): blocks it found cached
             # were published or read before and are not written again.

@@ -138,3 +138,48 @@ def test_front_tells_the_prefill_router_when_prefills_are_done():
     locator = run.simulator.prefill_router.locator  # least-compute tracks prefixes
     assert locator is not None
     assert locator._requests == {}
+
+
+def test_a_request_the_router_plans_to_await_a_prefix_is_held_until_it_is_stored():
+    """As the real prefill worker holds it: admitted once the awaited blocks are in the store
+    (or the plan's deadline passed), not computed at once beside the worker computing them."""
+    cfg = WorkloadConfig(kind="shared-prefix", num_prompts=12, input_len=32, output_len=4,
+                         num_groups=2, shared_prefix_len=512, request_rate=20.0)
+    sim = ClusterSimulator(cluster({"prefill": {"workers": 2}, "decode": {"workers": 1}}))
+    plans, delivered, stored_at = {}, {}, {}
+    take, on_input, put = (sim.prefill_router.take_prefix_plan, sim._on_input,
+                           sim.store.put_many)
+
+    def take_plan(request_id):
+        plan = take(request_id)
+        if plan is not None and plan.num_await_blocks:
+            plans[request_id] = plan
+        return plan
+
+    def record_input(worker, message):
+        delivered.setdefault(getattr(message, "request_id", None), sim.now)
+        on_input(worker, message)
+
+    def record_put(hashes):
+        for h in hashes:
+            stored_at.setdefault(h, sim.now)
+        return put(hashes)
+
+    sim.prefill_router.take_prefix_plan = take_plan
+    sim._on_input = record_input
+    sim.store.put_many = record_put
+    records = sim.run(build_workload(cfg).requests)
+    assert all(r.done and r.error is None for r in records)
+    awaited = [r for r in records if r.request_id in plans]
+    assert awaited
+    waited = 0
+    for r in awaited:
+        plan = plans[r.request_id]
+        landed = max(stored_at.get(h, float("inf")) for h in r.block_hashes[:plan.num_await_blocks])
+        released = min(landed, plan.await_until if plan.await_until is not None else landed)
+        assert delivered[r.request_id] >= released - 1e-9
+        waited += delivered[r.request_id] > r.arrival_s + 0.01
+        if landed <= delivered[r.request_id]:  # the prefix was there: loaded, not recomputed
+            assert r.num_cached_tokens >= (plan.num_await_blocks - 1) * 16, (r.num_store_tokens, r.num_cached_tokens)
+    assert waited >= 1
+    assert sim.num_awaited >= waited
