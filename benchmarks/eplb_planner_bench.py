@@ -98,7 +98,8 @@ def main() -> None:
             print(f"{kind:9s} {experts:4d} {groups:2d} {nodes:5d} {ranks:5d} {extra:5d} | "
                   f"{row['ours']:6.4f} {row.get('deepseek', float('nan')):6.4f} | "
                   f"{row['ours_next']:9.4f} {row.get('deepseek_next', float('nan')):7.4f} | "
-                  f"{row.get('next_diff', float('nan')):+8.4f} +- {row.get('next_diff_se', 0):.4f} | "
+                  f"{row.get('next_diff', float('nan')):+8.4f} +- "
+                  f"{row.get('next_diff_se', 0):.4f} | "
                   f"{plan_ms:7.1f} ({plan_cpu_ms:.1f})")
     for key in ("ours", "deepseek", "ours_next", "deepseek_next"):
         if key in rows[0]:
