@@ -46,10 +46,7 @@ def penalised_outputs(engine_base_llm):
 def test_penalised_greedy_matches_the_torch_reference(engine_base_llm, hf_reference,
                                                       penalised_outputs):
     params, outputs = penalised_outputs
-    plain = generate_checked(engine_base_llm, PROMPTS, SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert any(o.outputs[0].token_ids != p.outputs[0].token_ids
-               for o, p in zip(outputs, plain)), "the penalties changed nothing"
+    num_moved = num_checked = 0  # moved: positions where the processing changed the token
     for out in outputs:
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         ids = torch.tensor([prompt + tokens])
@@ -62,6 +59,10 @@ def test_penalised_greedy_matches_the_torch_reference(engine_base_llm, hf_refere
             if float(top2.values[0] - top2.values[1]) < 1e-3:
                 break  # a near-tie: the fp32 kernels may order it either way from here
             assert token == int(top2.indices[0]), f"position {i}: {token} vs {top2.indices[0]}"
+            num_moved += token != int(logits[i].argmax())
+            num_checked += 1
+    assert num_moved > 0, "the penalties changed nothing"
+    assert num_checked >= len(outputs) * MAX_TOKENS // 2, "near-ties cut the check short"
 
 
 # Mild enough that the repeats n-gram drafts bet on still happen (drafts get accepted), strong
