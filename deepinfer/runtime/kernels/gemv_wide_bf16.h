@@ -3,8 +3,8 @@
  * Included by gemv_bf16.h after sum_chains and before its ROW_FN table.
  *
  * Why not DEFINE_ROW_DOTS(1, M) for these M (measured on the default model's four GEMV
- * shapes x 30 layers, 212 MB of weights from memory, 1 thread, Zen 4, min CPU ms per pass,
- * benchmarks/verify_step_bench.py has the in-engine numbers):
+ * shapes x 30 layers, 212 MB of weights from memory, 1 thread, Zen 4, min CPU ms per pass on
+ * a box shared with other jobs; benchmarks/verify_step_bench.py has the in-engine numbers):
  *
  *   M                          1     4     5     6     7     8
  *   DEFINE_ROW_DOTS(1, M)    8.3   9.0  11.6  15.9  20.9  20.6
