@@ -25,8 +25,9 @@ from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, U
 
 logger = logging.getLogger(__name__)
 # Unknown request fields already logged (once per name per process: clients send the same
-# extras with every request).
+# extras with every request); capped, so random names cannot grow it without bound.
 _logged_unknown_fields: set[str] = set()
+_MAX_LOGGED_UNKNOWN_FIELDS = 256
 
 
 @dataclass
@@ -173,10 +174,11 @@ class OpenAIServing:
                 if not any(_same_value(value, off) for off in UNSUPPORTED_FIELDS[name]):
                     raise bad_request(f"{name} is not supported by this server", param=name,
                                       code="unsupported_parameter")
-            elif name not in _logged_unknown_fields:
+            elif name not in _logged_unknown_fields \
+                    and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:
                 _logged_unknown_fields.add(name)
                 logger.warning("Ignoring unknown request field %r (not an option this server "
-                               "knows; logged once)", name)
+                               "knows; logged once)", name[:100])
         options = request.stream_options
         if options is not None:
             if not request.stream:
