@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.engine.step_faults import DEBUG_FAULT_SEED_ENV
 from tests.integration.expert_parallel_harness import one_process_outputs, write_checkpoint
 from tests.integration.moe_checkpoints import random_prompts
 from tests.integration.serve_process import ServeProcess, scrape_metrics
@@ -29,14 +30,15 @@ RANKS = 4
 EPLB = {"window_size": 4, "step_interval": 3, "num_redundant_experts": 4}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = random_prompts(seed=9, lengths=(3, 17, 40, 9, 25, 5, 12, 30))
+FAULT_SEED = 4243  # decode ranks fail any step that runs a request with this seed
 
 
-def start_server(directory: str, *flags: str) -> ServeProcess:
+def start_server(directory: str, *flags: str, env: dict | None = None) -> ServeProcess:
     server = ServeProcess("--model", directory, "--dtype", "float32", "--threads", "1",
                           "--num-kv-blocks", "128", "--kv-store", "none",
                           "--prefill-workers", "1", "--decode-workers", "1",
                           "--decode-data-parallel-size", str(RANKS), "--enable-expert-parallel",
-                          *flags)
+                          *flags, env=env)
     try:
         server.wait_ready()
     except BaseException:
@@ -45,9 +47,10 @@ def start_server(directory: str, *flags: str) -> ServeProcess:
     return server
 
 
-def complete_all(url: str, prompts, stream: bool = False, timeout_s: float = 120):
+def complete_all(url: str, prompts, stream: bool = False, timeout_s: float = 120,
+                 seeds: dict[int, int] | None = None):
     """('ok', token ids) or ('error', message) per prompt, sent concurrently; every request
-    must end (no hang) within `timeout_s`."""
+    must end (no hang) within `timeout_s`. `seeds`: prompt index -> sampling seed."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                            timeout=timeout_s)
     model = client.models.list().data[0].id
@@ -55,6 +58,8 @@ def complete_all(url: str, prompts, stream: bool = False, timeout_s: float = 120
 
     def ask(i: int) -> None:
         body = {"ignore_eos": True, "return_token_ids": True}
+        if seeds and i in seeds:
+            body["seed"] = seeds[i]
         try:
             if stream:
                 tokens = []
@@ -97,7 +102,8 @@ def deepseek(tmp_path_factory, default_model_source):
     directory = write_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ep_decode_ds"), seed=31,
                                  tokenizer=default_model_source.load_tokenizer())
     want = [tokens for tokens, _ in one_process_outputs(directory, PROMPTS, PARAMS)]
-    server = start_server(directory, "--enable-eplb", "--eplb-config", json.dumps(EPLB))
+    server = start_server(directory, "--enable-eplb", "--eplb-config", json.dumps(EPLB),
+                          env={DEBUG_FAULT_SEED_ENV: f"decode:{FAULT_SEED}"})
     try:
         yield server, want
     finally:
@@ -132,6 +138,19 @@ def test_deepseek_4_rank_decode_group_equals_one_process_across_rebalances(deeps
     num_layers = len([k for k in balance if 'phase="after"' in k])
     assert num_layers >= 1 and len(balance) == 2 * num_layers
     assert all(0 < v <= 1 for v in balance.values()), balance
+
+
+def test_a_step_fault_on_a_decode_rank_fails_only_its_request(deepseek):
+    """The rank fails the request (lockstep agreement, ep/lockstep_faults.py); the requests on
+    it and on the other ranks finish exactly, and the group is not restarted."""
+    server, want = deepseek
+    pids = [w["placement"]["pid"] for w in decode_workers(server.url)]
+    got = complete_all(server.url, PROMPTS + [PROMPTS[2]], seeds={len(PROMPTS): FAULT_SEED})
+    assert got[:-1] == [("ok", tokens) for tokens in want]
+    assert got[-1][0] == "error" and "injected fault" in got[-1][1], got[-1]
+    workers = decode_workers(server.url)
+    assert [w["state"] for w in workers] == ["alive"] * RANKS
+    assert [w["placement"]["pid"] for w in workers] == pids
 
 
 def test_rank_killed_under_load_no_hang_group_restarts(deepseek):
