@@ -64,6 +64,8 @@ def pin_step_fault(execute: Callable[[SchedulerOutput], object], output: Schedul
         try:
             execute(alone)
         except Exception as probe_exc:  # this request fails on its own
+            if getattr(probe_exc, "stops_engine", False):  # e.g. an EP group out of step
+                raise
             culprits[sched.request_id] = describe(probe_exc)
     if len(culprits) == len(ids):
         return {}  # every request fails: the engine is broken, not one request

@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 class LockstepBroken(RuntimeError):
-    """The group's collectives can no longer be matched: the rank must exit."""
+    """The group's collectives can no longer be matched: the rank must exit (also when it
+    happens while pinning a fault: `pin_step_fault` re-raises it)."""
+
+    stops_engine = True
 
 
 class PeerStepFault(RuntimeError):

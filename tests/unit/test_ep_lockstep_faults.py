@@ -77,3 +77,27 @@ def test_a_fault_inside_a_collective_cannot_be_matched():
         model(torch.randn(5, H))
     assert not runtime.finish_failed_forward()
     assert [i for i, _ in calls] == [0, 1]  # nothing more was run
+
+
+def test_pinning_stops_at_a_fault_that_breaks_the_lockstep():
+    """While a rank re-runs its requests one at a time to pin a fault, a probe that breaks the
+    group's collectives is not blamed on a request: it ends the rank (the group is restarted)."""
+    from deepinfer.core.scheduler_output import SchedulerOutput
+    from deepinfer.engine.step_faults import pin_step_fault
+    from deepinfer.ep.lockstep_faults import LockstepBroken
+
+    class Sched:
+        def __init__(self, rid):
+            self.request_id, self.num_new_tokens = rid, 1
+
+    output = SchedulerOutput([Sched("a"), Sched("b")], 2)
+
+    def execute(alone):
+        if alone.scheduled[0].request_id == "b":
+            raise LockstepBroken("step failed inside an MoE collective")
+        raise RuntimeError("a's fault")
+    with pytest.raises(LockstepBroken):
+        pin_step_fault(execute, output, RuntimeError("step failed"))
+    def a_fails(alone):
+        return None if alone.scheduled[0].request_id == "b" else execute(alone)
+    assert pin_step_fault(a_fails, output, RuntimeError("x")) == {"a": "RuntimeError: a's fault"}
