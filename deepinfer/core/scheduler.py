@@ -268,19 +268,20 @@ class Scheduler:
         start = request.num_computed_tokens
         num_known = min(num_new, request.num_tokens - start)
         num_drafts = num_new - num_known  # > 0 only for a verification
+        sample = start + num_known == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_known]
             + request.spec_token_ids[:num_drafts],
             num_computed_tokens=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_known == request.num_tokens,
+            sample=sample,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             eos_token_ids=request.eos_token_ids,
             num_draft_tokens=num_drafts,
             history_token_ids=list(request.all_token_ids)
-            if request.sampling_params.uses_history else None,
+            if sample and request.sampling_params.uses_history else None,
         )
 
     # ---- speculative decoding --------------------------------------------------------------
