@@ -115,3 +115,27 @@ def test_incremental_text_with_direct_decode_equals_plain_decode(tokenizer, text
     monkeypatch.setattr(detok_module, "window_decoder", lambda tok: (
         lambda w, skip_special_tokens: tok.decode(w, skip_special_tokens=skip_special_tokens)))
     assert feed(tokenizer, ids, skip_special_tokens=False) == fast
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_mixed_special_and_split_tokens_in_steps_of_any_size(tokenizer, skip):
+    """Output mixing special tokens and characters split across tokens, fed one token at a
+    time or several per step (as speculative decoding emits them): the final text is the
+    tokenizer's decode of the output, with special tokens skipped or not."""
+    import random
+    rng = random.Random(1)
+    pool = [i for t in TEXTS for i in tokenizer.encode(t, add_special_tokens=False)]
+    special = list(tokenizer.all_special_ids)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    for _ in range(300):
+        ids = [rng.choice(special) if rng.random() < 0.2 else rng.choice(pool)
+               for _ in range(rng.randint(1, 12))]
+        detok = IncrementalDetokenizer.for_request(
+            tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
+        pos = 0
+        while pos < len(ids):
+            step = rng.randint(1, 4)
+            chunk = ids[pos:pos + step]
+            pos += len(chunk)
+            detok.add_tokens(chunk, final=pos == len(ids))
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip), ids
