@@ -126,6 +126,10 @@ _MIN_TEMPERATURE = 1e-5  # below: greedy (a float32 division would overflow to i
 _MIN_TOP_P = 1e-7  # below: the same single top token, but still > 0 in float32
 
 
+# Fields whose values the engine checks against the model (vocabulary, EOS).
+_ENGINE_CHECKED_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+
+
 def _same_value(value, off) -> bool:
     """JSON equality that keeps booleans apart from numbers (0 == False in Python)."""
     if isinstance(off, bool) or isinstance(value, bool):
@@ -302,7 +306,9 @@ class OpenAIServing:
                 yield state
         except ValueError as e:
             finished = True  # rejected by the engine: never ran
-            raise bad_request(str(e), param="prompt") from None
+            name = str(e).split(" ", 1)[0]  # the sampling checks name their field first
+            raise bad_request(str(e), param=name if name in _ENGINE_CHECKED_FIELDS
+                              else "prompt") from None
         except RequestFailedError as e:
             finished = True  # the engine dropped it: counted as a failure, not an abort
             timer.on_failure("engine" if e.engine_fault else "request")

@@ -198,3 +198,28 @@ def test_unknown_fields_are_accepted_and_logged_once(chat, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert sum("some_future_openai_option_xyz" in m for m in messages) == 1
     assert sum("another_extra_abc" in m for m in messages) == 1
+
+
+def test_engine_rejections_name_the_field(chat):
+    """The engine checks some values against the model (EOS, tokenized bad words): its
+    ValueError becomes a 400 naming that field, not the prompt."""
+    import asyncio
+
+    async def generate(*args, **kwargs):
+        raise ValueError("allowed_token_ids leaves no token to sample before min_tokens")
+        yield  # an async generator, like the real client's
+
+    serving = make(OpenAIServingChat)
+    serving.client.generate = generate
+    prompt, params, admission = serving._prepare(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], allowed_token_ids=[2], min_tokens=1))
+    timer = SimpleNamespace(on_finish=lambda *a: None, on_failure=lambda *a: None)
+    serving.metrics = SimpleNamespace(request_timer=lambda arrival: timer)
+
+    async def run():
+        async for _ in serving.submit("r", prompt, params, admission):
+            pass
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(run())
+    assert e.value.status_code == 400 and e.value.info.param == "allowed_token_ids"
