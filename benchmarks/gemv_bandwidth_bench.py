@@ -53,13 +53,16 @@ def bench_shapes(kernel, threads: int, reps: int) -> list[dict]:
         x = torch.randn(1, k, generator=gen).bfloat16()
         variants = {"4k_pages": _weights(n, k, False, gen), "huge_pages": _weights(n, k, True, gen)}
         nbytes = sum(w.numel() * 2 for w in variants["4k_pages"])
-        # a plain read of the same bytes (torch's fp32 sum, as perf_vs_peers measures bandwidth)
-        flat = [w.view(torch.float32).view(-1) for w in variants["4k_pages"]]
-        times: dict[str, list[float]] = {v: [] for v in [*variants, "plain_read"]}
+        # a plain read of the same bytes (torch's fp32 sum, as perf_vs_peers measures bandwidth),
+        # on either kind of page
+        flats = {f"plain_read_{v}": [w.view(torch.float32).view(-1) for w in ws]
+                 for v, ws in variants.items()}
+        times: dict[str, list[float]] = {v: [] for v in [*variants, *flats]}
         for _ in range(reps):
             for v, ws in variants.items():
                 times[v].append(_sweep(lambda w: kernel(x, w, None), ws))
-            times["plain_read"].append(_sweep(lambda f: f.sum(), flat))
+            for v, fs in flats.items():
+                times[v].append(_sweep(lambda f: f.sum(), fs))
         row = {"shape": name, "N": n, "K": k, "copies": len(variants["4k_pages"]),
                "threads": threads, "bytes": nbytes}
         for v, ts in times.items():
@@ -70,7 +73,7 @@ def bench_shapes(kernel, threads: int, reps: int) -> list[dict]:
         print(f"{name:8s} {n:6d}x{k:<5d} threads {threads}  "
               + "  ".join(f"{v} {row[f'{v}_best_gb_s']:5.1f} GB/s ({row[f'{v}_best_us_per_call']:7.1f} us)"
                           for v in times), flush=True)
-        del variants, flat
+        del variants, flats
     return rows
 
 
