@@ -174,7 +174,9 @@ def cluster_counters(port: int) -> dict[str, float]:
 
 
 WORKER_COUNTERS = ("engine_steps_total", "model_step_seconds_total", "loop_step_seconds_total",
-                   "process_cpu_seconds_total")
+                   "process_cpu_seconds_total", "model_step_cpu_seconds_total",
+                   "idle_wait_seconds_total", "prefilled_requests_total",
+                   "prefill_computed_tokens_total")
 
 
 def worker_counters(port: int) -> dict[str, dict[str, float]]:
@@ -201,13 +203,18 @@ def worker_breakdown(measured: dict, sim_run) -> dict:
     """Per P/D worker: measured steps / model seconds / loop seconds / CPU seconds next to the
     simulator's steps and work, and the measured host work per step (loop - model)."""
     out = {}
+    records = sim_run.simulator.requests.values()
     for w in sim_run.simulator.workers.values():
         m = measured.get(w.worker_id)
         if not m:
             continue
         steps = m.get("engine_steps", 0.0)
+        mine = [r for r in records if r.prefill_worker == w.worker_id]
         out[w.worker_id] = {
             "measured": m, "simulated_steps": w.num_steps, "simulated_work_s": w.work_time_s,
+            "simulated_prefilled_requests": len(mine),
+            "simulated_prefill_computed_tokens": sum(
+                r.prompt_len - (r.num_cached_tokens or 0) for r in mine),
             "measured_host_ms_per_step": (1e3 * (m.get("loop_step_seconds", 0.0)
                                                  - m.get("model_step_seconds", 0.0)) / steps
                                           if steps else None),
@@ -409,6 +416,15 @@ def main() -> None:
                       f"{m.get('process_cpu_seconds', 0):.2f} s; simulated "
                       f"{row['simulated_steps']} steps, work {row['simulated_work_s']:.2f} s",
                       flush=True)
+                if "model_step_cpu_seconds" in m:  # where the wall time outside CPU went
+                    print(f"    measured: CPU in steps {m['model_step_cpu_seconds']:.2f} s "
+                          f"(steps' wall - CPU {m.get('model_step_seconds', 0) - m['model_step_cpu_seconds']:.2f} s), "
+                          f"idle waiting for input {m.get('idle_wait_seconds', 0):.2f} s", flush=True)
+                if row["simulated_prefilled_requests"] or m.get("prefilled_requests"):
+                    print(f"    prefilled requests: measured {m.get('prefilled_requests', 0):.0f}, "
+                          f"simulated {row['simulated_prefilled_requests']}; computed tokens: "
+                          f"measured {m.get('prefill_computed_tokens', 0):.0f}, simulated "
+                          f"{row['simulated_prefill_computed_tokens']}", flush=True)
             werr = report["cases"][name]["work_error"]
             if werr is not None:
                 print(f"  simulated work vs the workers' measured CPU seconds: "

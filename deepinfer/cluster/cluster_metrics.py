@@ -53,6 +53,15 @@ _COUNTERS = (
      lambda c: c.loop_step_seconds_total),
     ("process_cpu_seconds", "CPU seconds of the worker process (all threads).",
      lambda c: c.process_cpu_seconds),
+    ("model_step_cpu_seconds", "Process CPU seconds inside the engine steps (model_step_seconds "
+     "minus this: the steps' time runnable but descheduled, or blocked).",
+     lambda c: c.model_step_cpu_seconds_total),
+    ("idle_wait_seconds", "Wall seconds the loop waited for input with no step to run.",
+     lambda c: c.idle_wait_seconds_total),
+    ("prefilled_requests", "Prefill: prompts finished and handed off.",
+     lambda c: c.num_prefilled_requests),
+    ("prefill_computed_tokens", "Prefill: prompt tokens computed (not prefix-cache hits).",
+     lambda c: c.prefill_computed_tokens),
 )
 
 

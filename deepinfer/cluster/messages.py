@@ -153,6 +153,11 @@ class WorkerCounters(msgspec.Struct):
     model_step_seconds_total: float = 0.0  # the runner's own time in those steps
     loop_step_seconds_total: float = 0.0  # wall time of step + its output handling + report
     process_cpu_seconds: float = 0.0  # the worker process's CPU time so far (all threads)
+    model_step_cpu_seconds_total: float = 0.0  # process CPU time inside those steps (wall -
+    # this = time the step was runnable but not running, or blocked)
+    idle_wait_seconds_total: float = 0.0  # wall time waiting for input with no step work
+    num_prefilled_requests: int = 0  # prefill: prompts finished and handed off
+    prefill_computed_tokens: int = 0  # prefill: prompt tokens computed (not cache hits)
     # decode: speculative decoding (summed over workers into the front's spec_decode_* metrics)
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

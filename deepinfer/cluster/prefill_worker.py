@@ -268,8 +268,9 @@ class PrefillWorkerLoop(WorkerLoop):
         self._num_failed_steps = self.engine.num_failed_steps
         if self._step_start is not None and not failed:  # a failed step measures nothing
             start, before = self._step_start
-            self.compute_rate.observe(self._tokens_computed_since(before),
-                                      time.monotonic() - start)
+            num_computed = self._tokens_computed_since(before)
+            self.counters.prefill_computed_tokens += num_computed
+            self.compute_rate.observe(num_computed, time.monotonic() - start)
         self._step_start = None
         self._publish_computed_blocks()
         for output in outputs:
@@ -279,6 +280,7 @@ class PrefillWorkerLoop(WorkerLoop):
             self._count_prefix_hits(entry, output.num_cached_tokens or 0)
             delta = self.tracker.to_delta(output)
             self._outputs.append(delta)
+            self.counters.num_prefilled_requests += 1
             if not output.finished:
                 self._hand_off(output, delta, entry)  # staged: counted as staged bytes now
             self.staging.release(output.request_id)

@@ -107,13 +107,18 @@ class WorkerLoop:
             busy = self.has_step_work()
             timeout_ms = 0 if busy else (5 if self.has_background_work()
                                          else int(self.spec.report_interval_s * 1000))
+            wait_start = time.perf_counter()
             if not self._drain_inputs(timeout_ms):
                 return
+            if timeout_ms:
+                self.counters.idle_wait_seconds_total += time.perf_counter() - wait_start
             self.before_step()
             step_start = None
             if self.has_step_work():
                 step_start = time.perf_counter()
+                cpu_start = time.process_time()
                 outputs = self.engine.step()
+                self.counters.model_step_cpu_seconds_total += time.process_time() - cpu_start
                 self.counters.num_engine_steps += 1
                 self.counters.model_step_seconds_total += self.engine.get_stats().step_time_s
                 self.after_step(outputs)

@@ -3,6 +3,7 @@ seconds around them, process CPU seconds) so the simulator's validation can comp
 decode worker's steps with the simulated ones; the front exposes them per worker."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -87,4 +88,55 @@ def test_front_exposes_the_timing_per_worker():
     for name, value in (("engine_steps_total", "7.0"), ("model_step_seconds_total", "1.5"),
                         ("loop_step_seconds_total", "2.0"),
                         ("process_cpu_seconds_total", "3.25")):
+        assert f"deepinfer:cluster_{name}{labels} {value}" in text, name
+
+
+class BusyEngine(FakeEngine):
+    def step(self) -> list:
+        sum(i * i for i in range(100_000))  # CPU inside the step
+        return super().step()
+
+
+class WaitingLoop(CountingLoop):
+    """Each idle wait for input takes ~20 ms of wall time (a poll that returns nothing)."""
+
+    def _drain_inputs(self, timeout_ms: int) -> bool:
+        if timeout_ms:
+            deadline = time.perf_counter() + 0.02
+            while time.perf_counter() < deadline:
+                pass
+        return super()._drain_inputs(timeout_ms)
+
+
+def test_worker_loop_counts_cpu_in_steps_and_idle_waits():
+    """Where a worker's wall time goes: CPU inside steps (steps' wall - this = descheduled
+    or blocked) and waits for input with nothing to step; busy polls are not idle."""
+    loop = WaitingLoop(BusyEngine(num_steps=3, model_s=0.0), iterations=6)
+    loop.run()
+    c = loop.counters
+    assert c.model_step_cpu_seconds_total > 0.0
+    # 3 busy iterations poll with timeout 0; the 3 idle ones wait ~20 ms each
+    assert 0.06 <= c.idle_wait_seconds_total < 1.0
+
+
+def test_front_exposes_where_the_time_and_prefills_went():
+    counters = WorkerCounters(model_step_cpu_seconds_total=1.25, idle_wait_seconds_total=0.5,
+                              num_prefilled_requests=3, prefill_computed_tokens=700)
+    handle = SimpleNamespace(worker_id="prefill-0", role="prefill", alive=True,
+                             counters=counters,
+                             last_report=WorkerLoadReport(0, 0, 0, 0, 100, 16, 0, 8))
+    client = SimpleNamespace(
+        workers={"prefill-0": handle},
+        prefill_router=SimpleNamespace(num_routed={}, name="p", num_staging_full=0),
+        decode_router=SimpleNamespace(num_routed={}, name="d"), num_retried=0,
+        num_failed_by_worker_loss=0, num_suspended=0,
+        supervisor=SimpleNamespace(num_restarts={"prefill": 0, "decode": 0},
+                                   num_gave_up={"prefill": 0, "decode": 0}))
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(client))
+    text = generate_latest(registry).decode()
+    labels = '{role="prefill",worker_id="prefill-0"}'
+    for name, value in (("model_step_cpu_seconds_total", "1.25"),
+                        ("idle_wait_seconds_total", "0.5"), ("prefilled_requests_total", "3.0"),
+                        ("prefill_computed_tokens_total", "700.0")):
         assert f"deepinfer:cluster_{name}{labels} {value}" in text, name
