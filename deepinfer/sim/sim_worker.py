@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.core.compute_budget import ComputeAwarePolicy
-from deepinfer.core.cost_model import ChunkShape, CostModel
+from deepinfer.core.cost_model import ChunkShape, CostModel, RateEstimator
 from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.scheduler import Scheduler, SchedulerConfig
 from deepinfer.core.scheduler_output import SchedulerOutput
@@ -20,6 +20,14 @@ from deepinfer.sim.cluster_spec import EngineSpec
 from deepinfer.sim.step_time import StepTimeModel
 
 MIN_CHUNK_TOKENS = 32  # as runtime.budget_factory (which imports torch)
+# A prefill worker's measured compute rate, as cluster.prefill_worker keeps it (that module
+# imports torch): a prior, then an EWMA of its steps' wall seconds per computed token.
+COMPUTE_PRIOR_S_PER_TOKEN = 1e-3
+COMPUTE_RATE_TYPICAL_TOKENS = 256
+
+
+def prefill_compute_rate() -> RateEstimator:
+    return RateEstimator(COMPUTE_PRIOR_S_PER_TOKEN, typical_units=COMPUTE_RATE_TYPICAL_TOKENS)
 
 
 def build_budget_policy(engine: EngineSpec, cost_model: CostModel) -> StepBudgetPolicy:
@@ -76,6 +84,10 @@ class SimWorker:
     num_steps: int = 0
     peak_kv_usage: float = 0.0
     last_load: WorkerLoad | None = None
+    # prefill: the rate it reports (`compute_s_per_token`), which the least-compute router
+    # scales its costs by; measured on the steps' simulated wall time, so host sharing that
+    # slows one worker's steps steers requests away from it as in the engine.
+    compute_rate: RateEstimator | None = None
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -95,7 +107,9 @@ class SimWorker:
             num_queued_uncached_tokens=queued, num_kv_blocks_used=kv.pool.num_used_blocks,
             num_kv_blocks_total=kv.num_blocks, block_size=kv.block_size,
             kv_tokens=sum(r.num_tokens for r in sched.running) + extra_kv,
-            max_running_reqs=sched.config.max_num_seqs)
+            max_running_reqs=sched.config.max_num_seqs,
+            compute_s_per_token=(self.compute_rate.s_per_unit if self.compute_rate is not None
+                                 and self.compute_rate.num_samples else None))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

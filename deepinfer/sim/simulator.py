@@ -46,7 +46,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.cluster_spec import ClusterSpec
 from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
-from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
+from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler, prefill_compute_rate
 from deepinfer.sim.step_time import build_step_time
 
 SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
@@ -64,6 +64,8 @@ class ClusterSimulator:
             for i in range(pool.num_workers):
                 worker = SimWorker(f"{pool.role}-{i}", pool.role, pool.engine,
                                    build_scheduler(pool.engine, cost_model), step_model)
+                if pool.role == "prefill":
+                    worker.compute_rate = prefill_compute_rate()
                 self.workers[worker.worker_id] = worker
                 self.pools[pool.role].append(worker)
         self.prefill_router = build_prefill_router(cluster.prefill_router)
@@ -284,6 +286,9 @@ class ClusterSimulator:
             return  # superseded: the worker's speed changed after this was scheduled
         output = worker.output
         worker.step_time_s = self.now - worker.step_started_s
+        if worker.compute_rate is not None:  # the engine's prefill worker measures this step
+            worker.compute_rate.observe(sum(s.num_new_tokens for s in output.scheduled),
+                                        worker.step_time_s)
         sampled = {s.request_id: SAMPLED_TOKEN_ID for s in output.scheduled if s.sample}
         self._apply(worker, output, StepResult(sampled, step_time_s=worker.step_time_s))
         worker.busy_time_s += worker.step_time_s

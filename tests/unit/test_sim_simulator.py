@@ -2,6 +2,7 @@
 blocks, and responds sensibly to more workers. Small workloads: seconds in all."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from deepinfer.core.compute_budget import ComputeAwarePolicy
 from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.core.step_budget import TokenBudgetPolicy
-from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES
+from deepinfer.routing import DECODE_POLICIES, PREFILL_POLICIES, RoutingRequest
 from deepinfer.sim import ClusterSimulator, cluster_from_dict, simulate_workload, to_bench_json
 
 PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -183,3 +184,27 @@ def test_a_request_the_router_plans_to_await_a_prefix_is_held_until_it_is_stored
             assert r.num_cached_tokens >= (plan.num_await_blocks - 1) * 16, (r.num_store_tokens, r.num_cached_tokens)
     assert waited >= 1
     assert sim.num_awaited >= waited
+
+
+def test_prefill_workers_report_their_measured_compute_rate_to_the_router():
+    """As `cluster.prefill_worker` does: each step's (simulated, host-shared) wall seconds per
+    computed token feed an EWMA the load report carries, and the least-compute router scales
+    that worker's costs by it. Decode workers report none."""
+    workload = build_workload(WorkloadConfig(kind="random", num_prompts=6, input_len=128,
+                                             output_len=4, request_rate=float("inf")))
+    alone = simulate_workload(cluster(PD), workload).simulator
+    sim = simulate_workload(cluster(PD, host={"cores": 1}), workload).simulator
+    for worker, own in zip(sim.pools["prefill"], alone.pools["prefill"]):
+        rate = worker.last_load.compute_s_per_token
+        assert rate is not None and rate != worker.compute_rate.prior_s_per_unit
+        # sharing one core stretches the steps' wall time, and so the rate it reports
+        assert rate > own.last_load.compute_s_per_token
+    assert all(w.last_load.compute_s_per_token is None for w in sim.pools["decode"])
+    # the rate is what routing sees: a worker reporting a 10x rate gets no request
+    slow, fast = sim.pools["prefill"]
+    router = sim.prefill_router
+    loads = [dataclasses.replace(slow.last_load, compute_s_per_token=10 * rate),
+             dataclasses.replace(fast.last_load, compute_s_per_token=rate)]
+    chosen = {router.route(RoutingRequest(request_id=f"x{i}", num_prompt_tokens=128), loads,
+                           sim.now) for i in range(3)}
+    assert chosen == {fast.worker_id}
