@@ -13,9 +13,10 @@
 #define MAX_M GEMV_MAX_M
 
 /* Returns 0, or 1 when M is out of range. Threads split the output rows; small layers (under
- * ~64K weights) stay on one thread, where a fork/join costs more than the work. */
-int small_batch_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-                            uint16_t *out, int M, int N, int K, int num_threads) {
+ * ~64K weights) stay on one thread, where a fork/join costs more than the work. Writes the dots
+ * + bias rounded to bf16 into out16, or (out16 NULL) the raw fp32 dots into out32. */
+static int linear_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *out16, float *out32, int M, int N, int K, int num_threads) {
     if (M < 1 || M > MAX_M) return 1;
     const int64_t work = (int64_t)N * K;
     const row_dots_fn row_fn = ROW_FN[M];
@@ -24,9 +25,17 @@ int small_batch_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t
         float dots[MAX_M];
         row_fn(w + (int64_t)n * K, x, K, dots);
         const float b = bias ? bf16_to_f32(bias[n]) : 0.f;
-        for (int m = 0; m < M; m++) out[(int64_t)m * N + n] = f32_to_bf16(dots[m] + b);
+        for (int m = 0; m < M; m++) {
+            if (out16) out16[(int64_t)m * N + n] = f32_to_bf16(dots[m] + b);
+            else out32[(int64_t)m * N + n] = dots[m];
+        }
     }
     return 0;
+}
+
+int small_batch_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                            uint16_t *out, int M, int N, int K, int num_threads) {
+    return linear_rows(x, w, bias, out, NULL, M, N, K, num_threads);
 }
 
 /* The same dots left in float32, no bias: out [M, N] float. For the LM head, whose logits
@@ -34,16 +43,7 @@ int small_batch_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t
  * are fp32 already. A row's values do not depend on M (every M sums in the 1-row order). */
 int small_batch_dots_f32(const uint16_t *x, const uint16_t *w, float *out, int M, int N, int K,
                          int num_threads) {
-    if (M < 1 || M > MAX_M) return 1;
-    const int64_t work = (int64_t)N * K;
-    const row_dots_fn row_fn = ROW_FN[M];
-    _Pragma("omp parallel for num_threads(num_threads) if(work >= 65536) schedule(static)")
-    for (int n = 0; n < N; n++) {
-        float dots[MAX_M];
-        row_fn(w + (int64_t)n * K, x, K, dots);
-        for (int m = 0; m < M; m++) out[(int64_t)m * N + n] = dots[m];
-    }
-    return 0;
+    return linear_rows(x, w, NULL, NULL, out, M, N, K, num_threads);
 }
 
 /* 1 when this build uses vdpbf16ps (for logs and tests). */
