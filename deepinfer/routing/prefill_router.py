@@ -121,6 +121,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         self.num_awaited = 0  # requests sent to await a prefix computed elsewhere (a metric)
         self._last_routed: dict[str, int] = {}  # worker -> decision number (ties rotate)
         self.last_plan: PrefixPlan | None = None  # the last routed request's (for logs)
+        self._reported_speeds: dict[str, float] = {}  # worker -> its last measured speed
 
     def predicted_cost_s(self, request: RoutingRequest) -> float:
         choice = self._choice
@@ -134,13 +135,28 @@ class LeastComputePrefillRouter(PrefillRouter):
                                                request.num_cached_tokens))
 
     def _speed(self, load: WorkerLoad) -> float:
-        """The worker's measured prefill seconds per token over the cost model's (1: not
-        reported)."""
-        if not load.compute_s_per_token:
-            return 1.0
+        """The worker's measured prefill seconds per token over the cost model's. A worker that
+        has not reported yet (it reports after its first step) takes the mean of its peers'
+        reported speeds, else 1: counted at the model's speed next to a peer that measured
+        itself 5x slower, it looked 5x faster and took every prompt until it reported."""
+        if load.compute_s_per_token:
+            return self._measured_speed(load)
+        peers = [s for w, s in self._reported_speeds.items() if w != load.worker_id]
+        return sum(peers) / len(peers) if peers else 1.0
+
+    def _measured_speed(self, load: WorkerLoad) -> float:
         n = self.CALIBRATION_TOKENS
         model_s_per_token = float(self.prefill_cost(n, 0)) / n
         return load.compute_s_per_token / model_s_per_token if model_s_per_token > 0 else 1.0
+
+    def _record_speeds(self, loads: list[WorkerLoad]) -> None:
+        for ld in loads:
+            if ld.compute_s_per_token:
+                self._reported_speeds[ld.worker_id] = self._measured_speed(ld)
+
+    def on_load_report(self, load: WorkerLoad) -> None:
+        super().on_load_report(load)
+        self._record_speeds([load])
 
     def reported_queue_time_s(self, load: WorkerLoad) -> float:
         if load.predicted_queue_time_s is not None:
@@ -156,6 +172,7 @@ class LeastComputePrefillRouter(PrefillRouter):
         return self.reported_queue_time_s(load) + self.reserved(load.worker_id).predicted_cost_s
 
     def _choose(self, request: RoutingRequest, candidates: list[WorkerLoad], now: float) -> str:
+        self._record_speeds(candidates)
         match = (self.locator.match(request.block_hashes)
                  if self.locator is not None and request.block_hashes else None)
         flight = self._num_in_flight_blocks(request, match, candidates)
@@ -268,6 +285,7 @@ class LeastComputePrefillRouter(PrefillRouter):
     def remove_worker(self, worker_id: str):
         if self.locator is not None:
             self.locator.on_worker_removed(worker_id)
+        self._reported_speeds.pop(worker_id, None)
         return super().remove_worker(worker_id)
 
 

@@ -53,3 +53,17 @@ def test_measured_compute_rate_scales_queues_and_compute_not_store_loads():
 def test_compute_rate_must_not_be_negative():
     with pytest.raises(ValueError, match="compute_s_per_token"):
         WorkerLoad("p0", "prefill", 0.0, compute_s_per_token=-1.0)
+
+
+def test_a_worker_that_has_not_reported_its_rate_takes_its_peers_not_the_models():
+    """Workers report their rate after their first step. One that has not yet must not look
+    as fast as the cost model while its peer measured itself 5x slower: it took every prompt
+    (17 in a row in a simulated Mooncake replay) until it reported."""
+    router = build_prefill_router("least-compute", track_prefixes=False)
+    routed = {"p0": 0, "p1": 0}
+    for i in range(10):
+        loads = [WorkerLoad("p0", "prefill", float(i), compute_s_per_token=5 * MODEL_S_PER_TOKEN),
+                 WorkerLoad("p1", "prefill", float(i))]  # p1: not reported yet
+        worker = router.route(RoutingRequest(f"r{i}", 256, []), loads, float(i))
+        routed[worker] += 1
+    assert routed["p0"] >= 4 and routed["p1"] >= 4, routed
