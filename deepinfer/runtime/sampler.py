@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest, TokenLogprobs
+from deepinfer.engine.step_faults import RequestFault
 from deepinfer.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -93,6 +94,7 @@ class Sampler:
             for i, r in enumerate(rows):
                 if r.sampling_params.uses_history:
                     apply_penalties(logits[i], r)
+        check_not_all_masked(logits, rows)
 
     @staticmethod
     def mask_min_tokens(logits: Tensor, requests: list[ScheduledRequest]) -> None:
@@ -158,6 +160,27 @@ class Sampler:
                 rank=int((logp[j] > token_lp).sum()) + 1,
                 top_token_ids=top_ids[j, :k].tolist(), top_logprobs=top_vals[j, :k].tolist())
         return out
+
+
+def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:
+    """A row whose every logit the request's own options masked (allowed_token_ids all banned
+    by bad_words, or all EOS/stop ids under min_tokens) has no token to give: argmax would
+    return token 0, a token the request excluded. Fail that request instead (the step's other
+    requests go on)."""
+    masked = [i for i, r in enumerate(rows) if _masks_tokens(r.sampling_params)]
+    if not masked:
+        return
+    index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+    empty = torch.isneginf(logits.index_select(0, index)).all(dim=-1).tolist()
+    culprits = sorted({rows[i].request_id for i, e in zip(masked, empty) if e})
+    if culprits:
+        raise RequestFault(culprits, "every token is excluded by this request's sampling "
+                           "options (allowed_token_ids, bad_words, min_tokens): nothing to sample")
+
+
+def _masks_tokens(params: SamplingParams) -> bool:
+    return (params.allowed_token_ids is not None or bool(params.bad_words)
+            or params.min_tokens > 0 or bool(params.logit_bias))
 
 
 def apply_logit_processing(row: Tensor, r: ScheduledRequest) -> None:

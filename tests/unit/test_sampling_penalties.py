@@ -161,3 +161,20 @@ def test_bad_words_ban_the_last_token_after_the_rest(output, banned):
 def test_unresolved_bad_words_are_an_error_not_ignored():
     with pytest.raises(ValueError, match="bad_words"):
         Sampler.process_logits(torch.zeros(1, V), [row(SamplingParams(bad_words=["x"]), [1], [])])
+
+
+def test_a_row_whose_options_mask_every_token_fails_that_request_not_token_0():
+    """allowed_token_ids all banned by bad_words: before, argmax of an all -inf row gave
+    token 0 (excluded by the request) with no error."""
+    from deepinfer.engine.step_faults import RequestFault
+
+    banned = SamplingParams(temperature=0.0, allowed_token_ids=[5, 6],
+                            bad_words=["x", "y"], bad_words_token_ids=[[5], [6]])
+    ok = SamplingParams(temperature=0.0, allowed_token_ids=[5, 6])
+    logits = torch.randn(2, V)
+    rows = [row(ok, [1, 2], [3], "fine"), row(banned, [1, 2], [3], "empty")]
+    with pytest.raises(RequestFault) as info:
+        Sampler(torch.device("cpu")).sample(logits.clone(), rows)
+    assert info.value.request_ids == ["empty"]
+    tokens, _ = Sampler(torch.device("cpu")).sample(logits.clone()[:1], rows[:1])  # the other request samples
+    assert tokens[0] in (5, 6)
