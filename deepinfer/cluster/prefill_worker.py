@@ -39,14 +39,13 @@ from deepinfer.cluster.prefill_images import (attach_embedding_store, image_span
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier
 from deepinfer.cluster.staging_budget import StagingBudget
 from deepinfer.cluster.worker_loop import WorkerLoop
-from deepinfer.core.cost_model import RateEstimator, plan_store_load
+from deepinfer.core.cost_model import RateEstimator, plan_store_load, prefill_compute_rate
 from deepinfer.kvstore.prefetcher import KVPrefetcher, PrefetchJob
 from deepinfer.kvstore.tiered_store import HOST_TIER, fetch_with_tier
 
 logger = logging.getLogger(__name__)
 
-# Priors until measured: prefill compute and shared-store reads, seconds per token.
-COMPUTE_PRIOR_S_PER_TOKEN = 1e-3
+# Priors until measured: shared-store reads, seconds per token (compute: prefill_compute_rate).
 STORE_PRIOR_S_PER_TOKEN = 2e-5
 STORE_READ_LATENCY_S = 1e-3
 READ_BUDGET_SLACK_S = 0.02
@@ -78,7 +77,7 @@ class PrefillWorkerLoop(WorkerLoop):
         self._jobs: dict[str, PrefetchJob] = {}  # store reads of held requests
         self.prefetcher = (KVPrefetcher(lambda h: fetch_with_tier(tier.store, h),
                                         tier.store.contains) if tier is not None else None)
-        self.compute_rate = RateEstimator(COMPUTE_PRIOR_S_PER_TOKEN, typical_units=256)
+        self.compute_rate = prefill_compute_rate()
         self.store_rate = RateEstimator(STORE_PRIOR_S_PER_TOKEN, STORE_READ_LATENCY_S,
                                         typical_units=256)
         self._step_start: tuple[float, int] | None = None

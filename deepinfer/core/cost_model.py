@@ -166,11 +166,7 @@ class CostModel:
                              f"got {len(samples)}")
         if any(not s.step_time_s > 0 for s in samples):
             raise ValueError("measured step times must be positive")
-        probe = cls(shape, {})
-        times = np.array([s.step_time_s for s in samples])
-        rows = np.stack([probe.features(s.chunks) for s in samples]) / times[:, None]
-        x = nonnegative_least_squares(rows, np.ones(len(samples)))
-        return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())), metadata=metadata)
+        return cls.fit_nonempty(shape, samples, metadata=metadata)
 
     @classmethod
     def fit_piecewise(cls, shape: ModelShape, samples: Sequence[StepSample],
@@ -192,7 +188,8 @@ class CostModel:
         return main
 
     @classmethod
-    def fit_nonempty(cls, shape: ModelShape, samples: Sequence[StepSample]) -> "CostModel":
+    def fit_nonempty(cls, shape: ModelShape, samples: Sequence[StepSample], *,
+                     metadata: dict[str, Any] | None = None) -> "CostModel":
         """`fit` without the minimum sample count: for a regime whose steps vary in fewer
         features than FEATURE_NAMES (decodes only), where NNLS still gives one solution's
         predictions."""
@@ -202,7 +199,7 @@ class CostModel:
         probe = cls(shape, {})
         rows = np.stack([probe.features(s.chunks) for s in samples]) / times[:, None]
         x = nonnegative_least_squares(rows, np.ones(len(samples)))
-        return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())))
+        return cls(shape, dict(zip(FEATURE_NAMES, x.tolist())), metadata=metadata)
 
     # -- profile (de)serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -415,6 +412,16 @@ class RateEstimator:
 
     def seconds(self, units: float) -> float:
         return 0.0 if units <= 0 else self.latency_s + self.s_per_unit * units
+
+
+PREFILL_COMPUTE_PRIOR_S_PER_TOKEN = 1e-3  # until a prefill worker has measured itself
+
+
+def prefill_compute_rate() -> RateEstimator:
+    """A prefill worker's measured compute rate (wall seconds per computed token), as it
+    reports it in `WorkerLoad.compute_s_per_token`; the engine's workers and the simulator's
+    keep the same estimator so the router gets the same input from both."""
+    return RateEstimator(PREFILL_COMPUTE_PRIOR_S_PER_TOKEN, typical_units=256)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,6 @@ from deepinfer.sim.cluster_spec import EngineSpec
 from deepinfer.sim.step_time import StepTimeModel
 
 MIN_CHUNK_TOKENS = 32  # as runtime.budget_factory (which imports torch)
-# A prefill worker's measured compute rate, as cluster.prefill_worker keeps it (that module
-# imports torch): a prior, then an EWMA of its steps' wall seconds per computed token.
-COMPUTE_PRIOR_S_PER_TOKEN = 1e-3
-COMPUTE_RATE_TYPICAL_TOKENS = 256
-
-
-def prefill_compute_rate() -> RateEstimator:
-    return RateEstimator(COMPUTE_PRIOR_S_PER_TOKEN, typical_units=COMPUTE_RATE_TYPICAL_TOKENS)
 
 
 def build_budget_policy(engine: EngineSpec, cost_model: CostModel) -> StepBudgetPolicy:

@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Callable
 
 from deepinfer.bench.workloads import BenchRequest
-from deepinfer.core.cost_model import ChunkShape
+from deepinfer.core.cost_model import ChunkShape, prefill_compute_rate
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.core.request import Request, RequestStatus
 from deepinfer.core.scheduler_output import StepResult
@@ -46,7 +46,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.cluster_spec import ClusterSpec
 from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
-from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler, prefill_compute_rate
+from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
 from deepinfer.sim.step_time import build_step_time
 
 SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
