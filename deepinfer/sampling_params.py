@@ -1,6 +1,7 @@
 """Sampling parameters (vLLM-shaped). Pure: no torch."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
@@ -119,7 +120,6 @@ def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
     the word is banned at the start of the text and after a space)."""
     if not params.bad_words or params.bad_words_token_ids is not None:
         return params
-    import dataclasses
     ids: list[list[int]] = []
     for word in params.bad_words:
         plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))

@@ -167,7 +167,7 @@ class LLMEngine:
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
         images = self._check_images(prompt_token_ids, mm_inputs)
         params = resolve_bad_words(params, self.tokenizer)
-        self._validate_stop_token_ids(params)
+        self._validate_token_ids(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
@@ -221,7 +221,7 @@ class LLMEngine:
                              f"length is {self.max_model_len} tokens")
         return ids
 
-    def _validate_stop_token_ids(self, params: SamplingParams) -> None:
+    def _validate_token_ids(self, params: SamplingParams) -> None:
         # min_tokens masks these ids in the logits: an id outside the vocabulary would crash
         # the whole engine step, not just this request.
         vocab = self.model_config.vocab_size

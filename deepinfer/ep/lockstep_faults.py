@@ -94,9 +94,7 @@ class LockstepStepFaults:
     def run_empty_step(self) -> None:
         """A rank with nothing to run this group step (instead of `runtime.run_empty_step`)."""
         try:
-            self.runtime.begin_forward()
-            with torch.inference_mode():
-                self.runtime.run_empty_step()
+            self._empty_forward()
         except Exception as exc:  # no request to blame: only the transport runs here
             raise LockstepBroken(f"empty step failed: {exc}") from exc
         if self._agree(False, 0):
@@ -142,7 +140,11 @@ class LockstepStepFaults:
                                  f"{self._group_probes}")
         while self._probes_run < self._group_probes:
             self._probes_run += 1
-            self.runtime.begin_forward()
-            with torch.inference_mode():
-                self.runtime.run_empty_step()
+            self._empty_forward()
         self.runtime.discard_step_loads()
+
+    def _empty_forward(self) -> None:
+        """The MoE collectives of one step with no tokens (matching a peer's forward)."""
+        self.runtime.begin_forward()
+        with torch.inference_mode():
+            self.runtime.run_empty_step()

@@ -56,7 +56,6 @@ class SmallBatchLinear:
             raise RuntimeError(f"small-batch linear kernel failed (code {rc})")
         return out
 
-
     def dots_f32(self, x: Tensor, weight: Tensor) -> Tensor:
         """x [M, K] (M <= MAX_ROWS), weight [N, K], bf16 -> x @ weight.T [M, N] in float32,
         not rounded to bf16 (the LM head: exact enough to rank the top tokens)."""

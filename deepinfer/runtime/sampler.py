@@ -167,7 +167,8 @@ def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:
     by bad_words, or all EOS/stop ids under min_tokens) has no token to give: argmax would
     return token 0, a token the request excluded. Fail that request instead (the step's other
     requests go on)."""
-    masked = [i for i, r in enumerate(rows) if _masks_tokens(r.sampling_params)]
+    masked = [i for i, r in enumerate(rows)
+              if r.sampling_params.processes_logits or r.sampling_params.min_tokens > 0]
     if not masked:
         return
     index = torch.tensor(masked, dtype=torch.long, device=logits.device)
@@ -176,11 +177,6 @@ def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:
     if culprits:
         raise RequestFault(culprits, "every token is excluded by this request's sampling "
                            "options (allowed_token_ids, bad_words, min_tokens): nothing to sample")
-
-
-def _masks_tokens(params: SamplingParams) -> bool:
-    return (params.allowed_token_ids is not None or bool(params.bad_words)
-            or params.min_tokens > 0 or bool(params.logit_bias))
 
 
 def apply_logit_processing(row: Tensor, r: ScheduledRequest) -> None:

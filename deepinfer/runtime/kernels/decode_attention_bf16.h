@@ -28,8 +28,8 @@ static inline __m512 widen16(const uint16_t *p) {
  * K/V row is loaded and widened once for all nrows * G query rows; at ~1000 tokens of context
  * the 6 rows of a k = 5 verification read ~23 MB of K/V per row otherwise. Each query row's
  * arithmetic (score, max, exp and sum, weighted sum, all in token order) is the one-row
- * computation, so a row's result does not depend on the rows grouped with it; the one-row
- * entry below calls this same function with nrows = 1.
+ * computation, so a row's result does not depend on the rows grouped with it (a row alone
+ * is nrows = 1: the same function).
  *
  *   q, out     row r's G query rows at q + r * q_stride, [G, D] (adjacent heads); its output
  *              at out + r * out_stride
@@ -100,15 +100,6 @@ SHARED_ROW_FN void decode_rows_bf16_avx512(const uint16_t *q, int64_t q_stride, 
             for (int e = 0; e < 16; e++) op[16 * i + e] = f32_to_bf16(tmp[e]);
         }
     }
-}
-
-/* One row: the G query rows of KV head h over `len` tokens (scores: G * score_stride floats). */
-static inline void decode_task_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
-                                           const int64_t *tab, int64_t len, uint16_t *out, int KV,
-                                           int G, int D, int BS, int h, float scale, float *scores,
-                                           int64_t score_stride) {
-    decode_rows_bf16_avx512(q, 0, 1, kc, vc, tab, &len, out, 0, KV, G, D, BS, h, scale, scores,
-                            score_stride);
 }
 #endif
 
