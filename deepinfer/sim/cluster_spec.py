@@ -14,6 +14,8 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
     kv_transfer:  {bandwidth_gb_s: 1.0, latency_ms: 1.0}
     host:         {cores: 2}   # workers share these CPU cores (omit for one device each);
                                # sharing: fair (default) | at-start | measured (simulator.py)
+                               # front_cpu / client_cpu / kv_transfer_cpu_s_per_gb: other
+                               # CPU consumers on those cores (sim.host_load)
 
 Every key is checked; unknown ones raise ValueError (a typo must not be silently ignored).
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.routing.policy_names import check_router_names
+from deepinfer.sim.host_load import HOST_CPU_KEYS, HostCpuSpec, host_cpu_from_dict
 from deepinfer.sim.roofline import RooflineConfig
 
 POOL_ROLES = ("colocated", "prefill", "decode")
@@ -142,6 +145,7 @@ class ClusterSpec:
     host_cores: int | None = None
     host_sharing: str = "fair"  # fair | at-start | measured: see sim.simulator
     front_latency_ms: float = 0.0
+    host_cpu: HostCpuSpec | None = None  # front / client / KV-transfer CPU (sim.host_load)
 
     def __post_init__(self) -> None:
         roles = [p.role for p in self.pools]
@@ -158,6 +162,9 @@ class ClusterSpec:
             raise ValueError(f"host.sharing must be one of {HOST_SHARING}")
         if self.front_latency_ms < 0:
             raise ValueError("front_latency_ms must be >= 0")
+        if self.host_cpu is not None and self.host_cores is None:
+            raise ValueError("host: front_cpu / client_cpu / kv_transfer_cpu_s_per_gb need "
+                             "host.cores (they share the workers' cores)")
 
     @property
     def disaggregated(self) -> bool:
@@ -242,14 +249,15 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
             "prefix_store", store_data, {f.name for f in dataclasses.fields(StoreSpec)}))
     link = _build(LinkSpec, "kv_transfer", _check_keys(
         "kv_transfer", data.get("kv_transfer"), {f.name for f in dataclasses.fields(LinkSpec)}))
-    host = _check_keys("host", data.get("host"), {"cores", "sharing"})
+    host = _check_keys("host", data.get("host"), {"cores", "sharing"} | HOST_CPU_KEYS)
     return ClusterSpec(
         pools=tuple(pools), prefill_router=routers.get("prefill", "least-compute"),
         decode_router=routers.get("decode", "balanced"),
         report_interval_s=float(data.get("report_interval_s", 0.2)), kv_transfer=link,
         prefix_store=store, host_cores=host.get("cores"),
         host_sharing=host.get("sharing", "fair"),
-        front_latency_ms=float(data.get("front_latency_ms", 0.0)))
+        front_latency_ms=float(data.get("front_latency_ms", 0.0)),
+        host_cpu=host_cpu_from_dict(host))
 
 
 def load_cluster_file(path: str) -> ClusterSpec:

@@ -44,6 +44,7 @@ from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_r
                                build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.cluster_spec import ClusterSpec
+from deepinfer.sim.host_load import CpuJob, HostLoad
 from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
 from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
@@ -84,6 +85,8 @@ class ClusterSimulator:
         self.num_transfers = 0
         self.transfer_bytes = 0.0
         self._speed_table = self._measured_speeds() if cluster.host_sharing == "measured" else None
+        # Front door, client and KV-transfer threads on the same cores (None: not modelled).
+        self.host_load = HostLoad(cluster.host_cpu) if cluster.host_cpu is not None else None
         for worker in self.workers.values():
             self._publish(worker)
 
@@ -127,6 +130,8 @@ class ClusterSimulator:
         return self.pools["prefill"] if self.cluster.disaggregated else self.pools["colocated"]
 
     def _on_arrival(self, record: SimRequest) -> None:
+        if self.host_load is not None:
+            self._host_work(self.host_load.on_arrival())
         pool = self._entry_pool()
         kv = pool[0].scheduler.kv
         record.block_hashes = hash_request_blocks(record.prompt_token_ids, kv.block_size,
@@ -251,6 +256,8 @@ class ClusterSimulator:
         if cores is None:
             return 1.0
         threads = sum(w.engine.threads for w in self.workers.values() if w.busy)
+        if self.host_load is not None:
+            threads += self.host_load.busy_threads()
         if not threads:
             return 1.0
         if self._speed_table is not None:
@@ -276,6 +283,8 @@ class ClusterSimulator:
             w.speed, w.speed_since_s = speed, self.now
             w.step_version += 1
             self._at(self.now + w.work_left_s / speed, self._finish_step, w, w.step_version)
+        if self.host_load is not None:
+            self._reshare_jobs(speed, changed)
         if sharing:  # progress of the others is accounted up to now
             for w in self.workers.values():
                 if w.busy:
@@ -301,6 +310,8 @@ class ClusterSimulator:
     def _apply(self, worker: SimWorker, output, result: StepResult) -> None:
         sched = worker.scheduler
         update = sched.update(output, result)
+        if self.host_load is not None:
+            self._host_work(self.host_load.on_tokens(len(update.new_token_ids)))
         if self.check:
             worker.check_invariants()
         for request_id in update.new_token_ids:
@@ -332,6 +343,8 @@ class ClusterSimulator:
         record = self.requests[request_id]
         worker.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self.prefill_router.on_prefill_done(request_id)  # its blocks are published
+        if self.host_load is not None:
+            self._host_work(self.host_load.on_handoff())
         if self.store is not None:
             num_bytes = record.prompt_len * worker.step_model.kv_bytes_per_token
             self._at(self.now + self.cluster.prefix_store.link.seconds(num_bytes),
@@ -389,14 +402,69 @@ class ClusterSimulator:
         self._link_free_at[worker.worker_id] = start + wire_s
         self.num_transfers += 1
         self.transfer_bytes += num_bytes
-        self._at(start + wire_s + link.latency_ms / 1e3, self._on_transfer_done, worker,
-                 request_id)
+        floor_s = start + wire_s + link.latency_ms / 1e3
+        if self.host_load is not None and self.host_load.spec.charges_transfers:
+            self._transfer_with_cpu(worker, request_id, num_bytes, floor_s)
+            return
+        self._at(floor_s, self._on_transfer_done, worker, request_id)
 
     def _on_transfer_done(self, worker: SimWorker, request_id: str) -> None:
         worker.transferring.pop(request_id)
         worker.scheduler.admit_transferred(request_id)
         if not worker.busy:
             self._start_step(worker)
+
+    # ---- other CPU on the host (sim.host_load) ---------------------------------------------
+    def _host_work(self, items: list[tuple[str, float]]) -> None:
+        """Queue background CPU work, as an event at `now`: called from inside a step's
+        completion, it must not reshare while that step is being finished."""
+        for name, work_s in items:
+            self._at(self.now, self._add_job_work, self.host_load.job(name), work_s, None)
+
+    def _add_job_work(self, job: CpuJob, work_s: float, on_done: Callable | None) -> None:
+        if job.add(work_s, on_done):  # a new busy thread: every speed changes
+            job.speed_since_s = self.now  # it did no work while idle
+            self._reshare(job)
+
+    def _reshare_jobs(self, speed: float, changed) -> None:
+        """`_reshare` for the background jobs: always processor sharing (under `at-start` too;
+        a job is many short pieces of work, not a step whose speed is fixed at its start)."""
+        for job in self.host_load.jobs.values():
+            if not job.busy:
+                continue
+            job.advance(self.now)
+            if job is not changed and job.speed == speed:
+                continue  # same speed: its scheduled finish still holds
+            job.speed = speed
+            job.version += 1
+            self._at(self.now + job.head_left_s() / speed, self._finish_job, job, job.version)
+
+    def _finish_job(self, job: CpuJob, version: int) -> None:
+        if version != job.version or not job.busy:
+            return  # superseded: its speed changed after this was scheduled
+        job.advance(self.now)
+        _, on_done = job.items.popleft()
+        self._reshare(job)  # its next item, or one busy thread fewer
+        if on_done is not None:
+            on_done()
+
+    def _transfer_with_cpu(self, worker: SimWorker, request_id: str, num_bytes: float,
+                           floor_s: float) -> None:
+        """A KV transfer that costs CPU at both ends: it lands once the link's floor has
+        passed and the sender's and receiver's transport threads have done their work."""
+        send_s, recv_s = self.host_load.transfer_work(num_bytes)
+        source = self.requests[request_id].prefill_worker
+        parts = [("link", None)] + [(name, w) for name, w in (
+            (f"kv-send:{source}", send_s), (f"kv-recv:{worker.worker_id}", recv_s)) if w > 0]
+        left = [len(parts)]
+
+        def part_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._on_transfer_done(worker, request_id)
+        self._at(floor_s, part_done)
+        for name, work_s in parts[1:]:
+            self._add_job_work(self.host_load.job(name), work_s, part_done)
 
     # ---- load reports ----------------------------------------------------------------------
     def _publish(self, worker: SimWorker) -> None:
