@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
     if link:
         print(f"KV transport (stage copy + pull + write): {link['latency_ms']:.2f} ms + "
               f"{link['bandwidth_gb_s']:.2f} GB/s")
+        if "cpu_s_per_gb" in link:
+            cpu = link["cpu_s_per_gb"]
+            print(f"  its CPU per GB: sender {cpu['sender']:.3f} s, receiver "
+                  f"{cpu['receiver']:.3f} s")
     print(f"wrote {args.out}")
     return 0
 

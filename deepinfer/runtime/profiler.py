@@ -309,22 +309,29 @@ def measure_kv_transport(engine, make_transport: Callable[[bool], object], *,
     side's staging copy (`read_blocks`), a pull over the real transport
     (`make_transport(serve)`, e.g. `ZmqKVTransport`: loopback TCP, both endpoints in this
     process) and the decode side's `write_blocks`. Median seconds per size, fitted as
-    `latency + bytes / bandwidth`."""
+    `latency + bytes / bandwidth`. Beside the wall time, the CPU seconds per GB each end
+    spends (`cpu_s_per_gb`: the simulator's `host.kv_transfer_cpu_s_per_gb`): the sender's
+    staging copy and the receiver's write on this thread, plus the transport's own threads
+    (process CPU minus this thread's), split evenly between the two ends (a loopback send and
+    receive of the same bytes); this thread's polling wait is not counted. Measure with one
+    torch thread (as `--threads 1`): idle OpenMP threads spin after a copy and would count."""
     cache = engine.cache
     block_size = engine.config.block_size
     bytes_per_token = cache.spec.bytes_per_block / block_size
     server, client = make_transport(True), make_transport(False)
-    points = []
+    points, send_points, recv_points = [], [], []
     try:
         for tokens in token_counts:
             num_blocks = min(-(-tokens // block_size), cache.num_blocks)
             block_ids = list(range(num_blocks))
-            times = []
+            times, send_cpu, recv_cpu = [], [], []
             for r in range(num_repeats):
                 request_id = f"kv-transport-{tokens}-{r}"
                 start = time.perf_counter()
+                process0, thread0 = time.process_time(), time.thread_time()
                 kv = cache.read_blocks(block_ids)
                 server.stage(request_id, kv, ttl_s=30.0)
+                send_s = time.thread_time() - thread0
                 client.fetch(request_id, server.address, timeout_s=30.0)
                 deadline = start + 30.0
                 result = None
@@ -336,16 +343,27 @@ def measure_kv_transport(engine, make_transport: Callable[[bool], object], *,
                 if result is None or result.kv is None:
                     raise RuntimeError(f"KV transport loopback failed: "
                                        f"{result.error if result else 'timed out'}")
+                thread1 = time.thread_time()
                 cache.write_blocks(block_ids, result.kv)
                 times.append(time.perf_counter() - start)
-            points.append((num_blocks * block_size * bytes_per_token, statistics.median(times)))
+                recv_s = time.thread_time() - thread1
+                others = (time.process_time() - process0) - (time.thread_time() - thread0)
+                send_cpu.append(send_s + max(0.0, others) / 2)
+                recv_cpu.append(recv_s + max(0.0, others) / 2)
+            num_bytes = num_blocks * block_size * bytes_per_token
+            points.append((num_bytes, statistics.median(times)))
+            send_points.append((num_bytes, statistics.median(send_cpu)))
+            recv_points.append((num_bytes, statistics.median(recv_cpu)))
     finally:
         server.close()
         client.close()
     latency, s_per_byte = _fit_line(points)
     return {"latency_ms": latency * 1e3,
             "bandwidth_gb_s": (1.0 / s_per_byte / 1e9) if s_per_byte else float("inf"),
-            "samples": [[n, s] for n, s in points]}
+            "samples": [[n, s] for n, s in points],
+            "cpu_s_per_gb": {"sender": _fit_line(send_points)[1] * 1e9,
+                             "receiver": _fit_line(recv_points)[1] * 1e9},
+            "cpu_samples": [[n, s, r] for (n, s), (_, r) in zip(send_points, recv_points)]}
 
 
 def measure_store_publish(engine, publish: Callable[[object], None], flush: Callable[[], None],

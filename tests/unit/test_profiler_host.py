@@ -3,6 +3,7 @@
 real ZMQ transport over loopback, a small fake cache)."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,44 @@ def test_kv_transport_moves_staged_blocks_over_the_real_transport():
     assert engine.cache.written == [4, 4, 32, 32]
     assert [n for n, _ in link["samples"]] == [4 * 1024, 32 * 1024]  # bytes per size
     assert link["bandwidth_gb_s"] > 0 and link["latency_ms"] >= 0
+
+
+class BurningCache(FakeCache):
+    """Staging and writing burn a known CPU time per byte on the calling thread."""
+
+    SEND_S_PER_BYTE, RECV_S_PER_BYTE = 1e-7, 2e-7
+
+    @staticmethod
+    def _burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def read_blocks(self, block_ids):
+        self._burn(self.SEND_S_PER_BYTE * len(block_ids) * self.spec.bytes_per_block)
+        return super().read_blocks(block_ids)
+
+    def write_blocks(self, block_ids, data) -> None:
+        self._burn(self.RECV_S_PER_BYTE * len(block_ids) * self.spec.bytes_per_block)
+        super().write_blocks(block_ids, data)
+
+
+def test_kv_transport_reports_each_ends_cpu_per_gb():
+    engine = SimpleNamespace(cache=BurningCache(), config=SimpleNamespace(block_size=16))
+    # One torch thread, as `sim_validation` profiles: idle OpenMP threads spin-waiting after
+    # a parallel copy would count as the transport's CPU.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        link = measure_kv_transport(engine, lambda serve: ZmqKVTransport(serve=serve),
+                                    token_counts=(64, 512), num_repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    cpu = link["cpu_s_per_gb"]
+    # The burnt CPU per byte, plus (never minus) half the transport threads' each.
+    assert 0.9 * 100 <= cpu["sender"] <= 2.0 * 100
+    assert 0.9 * 200 <= cpu["receiver"] <= 2.0 * 200
+    assert [n for n, _, _ in link["cpu_samples"]] == [4 * 1024, 32 * 1024]
 
 
 def test_store_publish_is_cpu_seconds_per_byte_of_the_prompts_blocks():
