@@ -5,6 +5,9 @@
 
 Writes the same JSON and plot as `deepinfer bench serve` (plus a `simulation` section), so
 `--compare` (or `deepinfer simulate ... --compare measured.json`) diffs the two in one command.
+`--samples K` also runs K perturbed, seeded runs (`sim.sampling`; the cluster file's `noise`,
+else the profile's measured step-time CV) and adds each metric's mean and band (`samples`);
+the top-level summary stays the run the cluster file describes.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ def register(sub) -> None:
     o = add_report_args(p)
     o.add_argument("--compare", default=None, metavar="JSON",
                    help="a bench serve (or simulate) JSON to diff the summary against")
+    o.add_argument("--samples", type=int, default=None, metavar="K",
+                   help="also run K perturbed seeds (noise: the cluster's, else the profile's "
+                        "measured step-time CV) and report each metric's mean and band")
     o.add_argument("--check-invariants", action="store_true",
                    help="check every scheduler's invariants after each step (slow)")
     p.set_defaults(func=run)
@@ -66,7 +72,14 @@ def run(args: argparse.Namespace) -> int:
                 measured = json.load(f)
             if "summary" not in measured:
                 raise ValueError(f"{args.compare} is not a bench serve / simulate JSON")
+        if args.samples is not None and args.samples < 1:
+            raise ValueError(f"--samples must be >= 1, got {args.samples}")
         sim_run = run_simulation(cluster, workload_cfg, check_invariants=args.check_invariants)
+        samples = None
+        if args.samples is not None:
+            from deepinfer.sim.sampling import sample_runs, samples_report
+            samples = samples_report(sample_runs(cluster, sim_run.workload, args.samples,
+                                                 check_invariants=args.check_invariants))
     except (ValueError, OSError) as e:
         raise CLIError(str(e)) from None
     print(f"workload: {sim_run.workload.description}")
@@ -86,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
                             slo_tpot_ms=args.slo_tpot_ms, cluster_source=args.cluster)
     if measured is not None:
         print(format_comparison(compare_runs(payload, measured)))
+    if samples is not None:
+        from deepinfer.bench.latency_stats import finite_json
+        from deepinfer.sim.sampling import (compare_bands, format_band_comparison,
+                                            format_bands)
+        payload["samples"] = finite_json(samples)
+        print(format_bands(samples))
+        if measured is not None:
+            print(format_band_comparison(compare_bands(samples, measured["summary"])))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(payload, f, indent=1)

@@ -28,6 +28,7 @@ from deepinfer.core.cost_model import ChunkShape, CostModel, StepSample
 from deepinfer.core.model_shape import ModelShape
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sim.perturbation import repeat_cv
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class StepProfiler:
         # CPU seconds of each batch too: on a loaded host a step's wall time includes time
         # the process waited for a core; its CPU time is the work itself.
         self.cpu_times_s = [statistics.median(t) for t in cpu_times]
+        self.repeat_times_s = times  # every timed repeat: their spread is the step-time noise
         return [StepSample(chunks, statistics.median(t)) for chunks, t in zip(batches, times)]
 
     def _make_output(self, chunks: tuple[ChunkShape, ...], tag: str) -> SchedulerOutput:
@@ -234,6 +236,9 @@ def profile_cost_model(runner, shape: ModelShape, vocab_size: int, grid: Profile
     model.metadata["fit_p90_abs_pct_error"] = fit_error.p90_abs_pct_error
     model.metadata["samples"] = [_sample_dict(s, cpu)
                                  for s, cpu in zip(samples, profiler.cpu_times_s)]
+    # Run-to-run noise of a step on this host (the simulator's default `noise.step_time_cv`):
+    # the spread of the same batch over the repeat rounds. None with one repeat.
+    model.metadata["step_time_cv"] = repeat_cv(profiler.repeat_times_s)
     return model
 
 

@@ -16,6 +16,8 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
                                # sharing: fair (default) | at-start | measured (simulator.py)
                                # front_cpu / client_cpu / kv_transfer_cpu_s_per_gb: other
                                # CPU consumers on those cores (sim.host_load)
+    noise:        {step_time_cv: 0.04, arrival_jitter_ms: 2.0, seed: 0}  # optional: a
+                               # perturbed run (sim.perturbation); omit for the deterministic one
 
 Every key is checked; unknown ones raise ValueError (a typo must not be silently ignored).
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 from deepinfer.routing.policy_names import check_router_names
 from deepinfer.sim.host_load import HOST_CPU_KEYS, HostCpuSpec, host_cpu_from_dict
+from deepinfer.sim.perturbation import NoiseSpec
 from deepinfer.sim.roofline import RooflineConfig
 
 POOL_ROLES = ("colocated", "prefill", "decode")
@@ -145,6 +148,7 @@ class ClusterSpec:
     host_cores: int | None = None
     host_sharing: str = "fair"  # fair | at-start | measured: see sim.simulator
     front_latency_ms: float = 0.0
+    noise: NoiseSpec | None = None  # None: deterministic (no perturbation)
     host_cpu: HostCpuSpec | None = None  # front / client / KV-transfer CPU (sim.host_load)
 
     def __post_init__(self) -> None:
@@ -188,7 +192,7 @@ class ClusterSpec:
 
 # ---- parsing ------------------------------------------------------------------------------
 _TOP_KEYS = {"cost", "engine", "pools", "routers", "prefix_store", "kv_transfer", "host",
-             "report_interval_s", "front_latency_ms"}
+             "report_interval_s", "front_latency_ms", "noise"}
 _ROOFLINE_KEYS = {f.name for f in dataclasses.fields(RooflineConfig)}
 _COST_KEYS = {"profile", "time_scale", "accelerator", "model"} | _ROOFLINE_KEYS
 
@@ -250,13 +254,16 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
     link = _build(LinkSpec, "kv_transfer", _check_keys(
         "kv_transfer", data.get("kv_transfer"), {f.name for f in dataclasses.fields(LinkSpec)}))
     host = _check_keys("host", data.get("host"), {"cores", "sharing"} | HOST_CPU_KEYS)
+    noise_data = data.get("noise")
+    noise = None if noise_data is None else _build(NoiseSpec, "noise", _check_keys(
+        "noise", noise_data, {f.name for f in dataclasses.fields(NoiseSpec)}))
     return ClusterSpec(
         pools=tuple(pools), prefill_router=routers.get("prefill", "least-compute"),
         decode_router=routers.get("decode", "balanced"),
         report_interval_s=float(data.get("report_interval_s", 0.2)), kv_transfer=link,
         prefix_store=store, host_cores=host.get("cores"),
         host_sharing=host.get("sharing", "fair"),
-        front_latency_ms=float(data.get("front_latency_ms", 0.0)),
+        front_latency_ms=float(data.get("front_latency_ms", 0.0)), noise=noise,
         host_cpu=host_cpu_from_dict(host))
 
 

@@ -28,6 +28,10 @@ and never changes; it favours whichever step started first, kept to compare with
 measurements. A step's work is its step-time model's answer
 (model time + the engine loop's host work) plus blocking store loads. Time is simulated;
 nothing reads the clock.
+
+Noise (`cluster.noise`, `sim.perturbation`): each step's time (the step-time model's answer;
+not store loads) × a seeded mean-1 factor per worker, and each arrival a seeded lag late;
+without it (or at zero) the run is the deterministic one, bit for bit.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from deepinfer.routing import (NoWorkerAvailable, RoutingRequest, build_decode_r
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sim.cluster_spec import ClusterSpec
 from deepinfer.sim.host_load import CpuJob, HostLoad
+from deepinfer.sim.perturbation import StepNoise, jitter_arrivals
 from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
 from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
@@ -59,12 +64,20 @@ class ClusterSimulator:
         self.check = check_invariants
         self.workers: dict[str, SimWorker] = {}
         self.pools: dict[str, list[SimWorker]] = {}
+        self.step_time_cv: dict[str, float] = {}  # per pool: the noise applied (0: none)
+        self._step_noise: dict[str, StepNoise] = {}
         for pool in cluster.pools:
             step_model, cost_model = build_step_time(pool.cost)
             self.pools[pool.role] = []
+            noise = cluster.noise
+            self.step_time_cv[pool.role] = (noise.step_cv_for(cost_model.metadata)
+                                            if noise is not None else 0.0)
             for i in range(pool.num_workers):
                 worker = SimWorker(f"{pool.role}-{i}", pool.role, pool.engine,
                                    build_scheduler(pool.engine, cost_model), step_model)
+                if self.step_time_cv[pool.role]:
+                    self._step_noise[worker.worker_id] = StepNoise(
+                        self.step_time_cv[pool.role], noise.seed, worker.worker_id)
                 if pool.role == "prefill":
                     worker.compute_rate = prefill_compute_rate()
                 self.workers[worker.worker_id] = worker
@@ -111,6 +124,9 @@ class ClusterSimulator:
         """Simulate `requests` (arrival times from 0) to completion; returns their records in
         input order. `max_sim_time_s` stops early (unfinished requests stay not done)."""
         records = []
+        if self.cluster.noise is not None:
+            requests = jitter_arrivals(requests, self.cluster.noise.jitter_ms,
+                                       self.cluster.noise.seed)
         for i, bench in enumerate(requests):
             record = SimRequest(f"sim-{i}", list(bench.prompt_token_ids), bench.output_len,
                                 bench.arrival_time_s)
@@ -242,7 +258,11 @@ class ClusterSimulator:
             worker.busy = False
             return
         chunks = [ChunkShape(s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled]
-        work_s = worker.step_model.step_time_s(chunks) + worker.stall_s
+        work_s = worker.step_model.step_time_s(chunks)
+        noise = self._step_noise.get(worker.worker_id)
+        if noise is not None:
+            work_s *= noise.factor()
+        work_s += worker.stall_s
         worker.stall_s = 0.0
         worker.busy, worker.output = True, output
         worker.step_started_s, worker.work_left_s = self.now, work_s
