@@ -6,11 +6,27 @@ from dataclasses import dataclass, field
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
 MIN_TOP_P = 1e-7  # smaller top_p keeps just the top token, as this does
+# What a request's logprobs report, engine-wide (vLLM's --logprobs-mode; the first is the
+# default): see deepinfer.runtime.sampler.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+class InvalidParameter(ValueError):
+    """A bad request value; `param` names the field (a SamplingParams field name, which the
+    API reports as the error's `param`), whatever the message says."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # picklable with its field (it may cross a process boundary)
+        return type(self), (self.param, str(self))
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Validated on construction; bad values raise ValueError.
+    """How to sample one request. Validated on construction; bad values raise
+    InvalidParameter (a ValueError naming the field).
 
     Semantics follow vLLM: `temperature == 0` is greedy; `ignore_eos` keeps generating past EOS
     (EOS can still be sampled); `min_tokens` masks EOS and stop tokens until reached;
@@ -70,33 +86,41 @@ class SamplingParams:
         self.top_p = max(self.top_p, MIN_TOP_P)
 
     def _validate(self) -> None:
+        # (field, holds, message): the field travels with the error (InvalidParameter.param)
         checks = [
-            (self.n >= 1, "n must be at least 1"),
-            (self.temperature >= 0.0, "temperature must be non-negative"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be -1 (disabled) or positive"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            ("n", self.n >= 1, "n must be at least 1"),
+            ("temperature", self.temperature >= 0.0, "temperature must be non-negative"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "top_k must be -1 (disabled) or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             "max_tokens must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "min_tokens must be non-negative"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must not exceed max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 100.0, "repetition_penalty must be in (0, 100]"),
-            (all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             "logprobs must be in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop),
+             "stop must be non-empty strings"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+             "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+             "frequency_penalty must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0,
+             "repetition_penalty must be in (0, 100]"),
+            ("logit_bias", all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
              "logit_bias values must be in [-100, 100]"),
-            (all(k >= 0 for k in (self.logit_bias or {})), "logit_bias keys must be token ids"),
-            (self.allowed_token_ids is None or (
+            ("logit_bias", all(k >= 0 for k in (self.logit_bias or {})),
+             "logit_bias keys must be token ids"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
                 len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids must be a non-empty list of token ids"),
-            (all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words),
              "bad_words must be non-blank strings"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidParameter(param, message)
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from deepinfer.sampling_params import LOGPROBS_MODES
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the EngineConfig flags to `parser` (defaults: EngineConfig's own)."""
@@ -34,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods '
                         'ngram | draft_model (with "model") | mtp (DeepSeek-V3)')
+    g.add_argument("--logprobs-mode", default=LOGPROBS_MODES[0], choices=LOGPROBS_MODES,
+                   help="what logprobs report, as vLLM: the model's raw output (default) or "
+                        "after the request's penalties / bias / masks / temperature / top-k/p")
     return parser
 
 
@@ -54,7 +59,8 @@ def engine_config_from_args(args: argparse.Namespace):
             num_threads=args.num_threads, scheduler=args.scheduler,
             step_time_budget_ms=args.step_time_budget_ms, cost_profile=args.cost_profile,
             seed=args.seed, served_model_name=args.served_model_name,
-            speculative_config=getattr(args, "speculative_config", None))
+            speculative_config=getattr(args, "speculative_config", None),
+            logprobs_mode=getattr(args, "logprobs_mode", LOGPROBS_MODES[0]))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
 

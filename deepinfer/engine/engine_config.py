@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.sampling_params import LOGPROBS_MODES
+
 _DTYPES = ("bfloat16", "float32", "float16")
 _SCHEDULERS = ("token-budget", "compute-aware")
 
@@ -29,6 +31,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # deepinfer.spec.spec_config.SpeculativeConfig, or its dict / JSON form (vLLM's shape)
     speculative_config: Any = None
+    logprobs_mode: str = LOGPROBS_MODES[0]  # what logprobs report (vLLM's --logprobs-mode)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -44,6 +47,9 @@ class EngineConfig:
             raise ValueError("num_threads must be positive")
         if self.step_time_budget_ms is not None and self.step_time_budget_ms <= 0:
             raise ValueError("step_time_budget_ms must be positive")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {self.logprobs_mode!r}")
         from deepinfer.spec.spec_config import SpeculativeConfig
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))

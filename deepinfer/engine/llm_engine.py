@@ -23,7 +23,7 @@ from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
-from deepinfer.sampling_params import SamplingParams, resolve_bad_words
+from deepinfer.sampling_params import InvalidParameter, SamplingParams, resolve_bad_words
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class LLMEngine:
                     kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
                     num_blocks, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
+        self.runner.sampler.logprobs_mode = config.logprobs_mode
         # Vision-language models: requests' images, the embedding cache and the runner's splice.
         self.mm_images = None
         self.embedding_cache = None
@@ -226,19 +227,21 @@ class LLMEngine:
         # the whole engine step, not just this request.
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
+            raise InvalidParameter("stop_token_ids",
+                                   f"stop_token_ids must be integers in [0, {vocab})")
         # Likewise the ids logit_bias and allowed_token_ids index.
         for name, ids in (("logit_bias", params.logit_bias or {}),
                           ("allowed_token_ids", params.allowed_token_ids or []),
                           ("bad_words", [t for w in params.bad_words_token_ids or [] for t in w])):
             if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"{name} token ids must be integers in [0, {vocab})")
+                raise InvalidParameter(name, f"{name} token ids must be integers in [0, {vocab})")
         # Before min_tokens, EOS and stop ids are masked: allowed ids among them only would
         # leave every logit -inf and sample an arbitrary (disallowed) token.
         if params.min_tokens > 0 and params.allowed_token_ids is not None and set(
                 params.allowed_token_ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
-            raise ValueError("allowed_token_ids leaves no token to sample before min_tokens "
-                             "(every allowed id is EOS or a stop token id)")
+            raise InvalidParameter("allowed_token_ids", "allowed_token_ids leaves no token to "
+                                   "sample before min_tokens (every allowed id is EOS or a stop "
+                                   "token id)")
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt

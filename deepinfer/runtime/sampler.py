@@ -10,15 +10,23 @@ token left). Unseeded rows share the sampler's own generator.
 Speculative decoding samples several positions of one request in one step: `sample_rows` takes
 one row per position (a ScheduledRequest whose `num_output_tokens` is that row's output
 position), so every position keeps its own (seed, i) noise and min_tokens mask.
+
+Log-probs follow vLLM's `--logprobs-mode` (`LOGPROBS_MODES`): by default (`raw_logprobs`) the
+log-softmax of the model's own logits, before any of the request's processing; `raw_logits`
+the logits themselves; `processed_logprobs` / `processed_logits` those of the distribution the
+token was drawn from (after logit processing and, for a random row, temperature and
+min_p / top_k / top_p; a greedy row is never scaled or truncated).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest, TokenLogprobs
 from deepinfer.engine.step_faults import RequestFault
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import LOGPROBS_MODES, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # Row argmax in two passes over blocks of this many columns (see `row_argmax`), for batches
@@ -41,27 +49,64 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
+def check_logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass
+class RawRows:
+    """Copies of the unprocessed logits of the rows (indices `rows`) that ask for log-probs,
+    taken before `process_logits` changes them in place (raw modes only)."""
+
+    rows: list[int]
+    values: Tensor  # [len(rows), V]
+
+    def take(self, rows: list[int]) -> Tensor:
+        """The kept values of those of `rows` that were kept, in `rows` order."""
+        where = {row: i for i, row in enumerate(self.rows)}
+        index = [where[r] for r in rows if r in where]
+        return self.values[torch.tensor(index, dtype=torch.long, device=self.values.device)]
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0,
+                 logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self.device = device
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self._position_generator = torch.Generator(device=device)  # re-seeded for every row
 
     def sample(self, logits: Tensor, requests: list[ScheduledRequest]
                ) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """logits [N, V] float32, one row per request in `requests`."""
+        raw = self.keep_raw(logits, requests)
         self.process_logits(logits, requests)
         token_list = self.sample_tokens(logits, requests).tolist()
-        logprobs = self._logprobs(logits, requests, token_list)
+        logprobs = self._logprobs(logits, requests, token_list, raw)
         return token_list, logprobs
 
     def sample_rows(self, logits: Tensor, rows: list[ScheduledRequest]
                     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Like `sample`, but rows may share a request (one row per output position): the
         log-probs come back per row (None where the request asks for none)."""
+        raw = self.keep_raw(logits, rows)
         self.process_logits(logits, rows)
         tokens = self.sample_tokens(logits, rows).tolist()
-        return tokens, self.row_logprobs(logits, rows, tokens)
+        return tokens, self.row_logprobs(logits, rows, tokens, None if raw is None else raw.values)
+
+    def keep_raw(self, logits: Tensor, rows: list[ScheduledRequest]) -> RawRows | None:
+        """Call before `process_logits`: in a raw mode, a copy of the rows that ask for
+        log-probs; None otherwise (no row asks: nothing is copied)."""
+        if not self.logprobs_mode.startswith("raw"):
+            return None
+        wanted = [i for i, r in enumerate(rows) if r.sampling_params.logprobs is not None]
+        if not wanted:
+            return None
+        # The gather copies; row_logprobs would gather these rows anyway.
+        index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+        return RawRows(wanted, logits.index_select(0, index))
 
     def sample_tokens(self, logits: Tensor, requests: list[ScheduledRequest]) -> Tensor:
         """[N] long: greedy rows by argmax, the others by the exponential race (logits
@@ -134,22 +179,22 @@ class Sampler:
         """The per-position generator, seeded for (seed, position)."""
         return self._position_generator.manual_seed(position_seed(seed, position))
 
-    def _logprobs(self, logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
-                  ) -> dict[str, TokenLogprobs]:
-        rows = self.row_logprobs(logits, requests, tokens)
+    def _logprobs(self, logits: Tensor, requests: list[ScheduledRequest], tokens: list[int],
+                  raw: RawRows | None = None) -> dict[str, TokenLogprobs]:
+        rows = self.row_logprobs(logits, requests, tokens, None if raw is None else raw.values)
         return {r.request_id: lp for r, lp in zip(requests, rows) if lp is not None}
 
-    @staticmethod
-    def row_logprobs(logits: Tensor, requests: list[ScheduledRequest], tokens: list[int]
-                     ) -> list[TokenLogprobs | None]:
-        """Log-probs of `tokens[i]` under row i of `logits` (raw, masked) with its request's
-        top-k alternatives; None for rows whose request asks for no log-probs."""
+    def row_logprobs(self, logits: Tensor, requests: list[ScheduledRequest], tokens: list[int],
+                     raw: Tensor | None = None) -> list[TokenLogprobs | None]:
+        """Log-probs (per `logprobs_mode`) of `tokens[i]` at row i, with its request's top-k
+        alternatives; None for rows whose request asks for no log-probs. `logits` are the
+        processed rows; `raw` (raw modes) the unprocessed rows of the requests that ask, in
+        order (`keep_raw`)."""
         out: list[TokenLogprobs | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
             return out
-        idx = torch.tensor(rows, device=logits.device)
-        logp = torch.log_softmax(logits[idx], dim=-1)
+        logp = self._logprob_values(logits, [requests[i] for i in rows], rows, raw)
         k_max = max(requests[i].sampling_params.logprobs for i in rows)
         top_vals, top_ids = logp.topk(max(k_max, 1), dim=-1)
         for j, i in enumerate(rows):
@@ -160,6 +205,26 @@ class Sampler:
                 rank=int((logp[j] > token_lp).sum()) + 1,
                 top_token_ids=top_ids[j, :k].tolist(), top_logprobs=top_vals[j, :k].tolist())
         return out
+
+    def _logprob_values(self, logits: Tensor, requests: list[ScheduledRequest], rows: list[int],
+                        raw: Tensor | None) -> Tensor:
+        """[len(rows), V]: the values the mode reports for those rows."""
+        mode = self.logprobs_mode
+        if mode.startswith("raw"):
+            if raw is None or raw.shape[0] != len(rows):
+                raise ValueError(f"logprobs_mode {mode}: the raw logits of the {len(rows)} rows "
+                                 f"that ask for log-probs were not kept (Sampler.keep_raw)")
+            values = raw
+        else:
+            values = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            random = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
+            if random:  # what the token was drawn from: temperature, then truncation
+                params = [requests[j].sampling_params for j in random]
+                temps = torch.tensor([p.temperature for p in params], dtype=values.dtype,
+                                     device=values.device)
+                index = torch.tensor(random, dtype=torch.long, device=values.device)
+                values[index] = truncate_logits(values[index] / temps.unsqueeze(1), params)
+        return torch.log_softmax(values, dim=-1) if mode.endswith("logprobs") else values
 
 
 def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:

@@ -63,12 +63,14 @@ class SpecVerifier:
             return result
         index = torch.tensor(flat_rows, dtype=torch.long, device=hidden.device)
         logits = model.compute_logits(hidden[index])  # [R, vocab] fp32
+        raw = self.sampler.keep_raw(logits, rows)  # raw logprobs modes: before processing
         self.sampler.process_logits(logits, rows)
         tokens = self._sample(logits, rows, groups)
         lp_rows = [g.first_row + j for g in groups for j in range(len(tokens[id(g)]))]
         lp_reqs = [rows[i] for i in lp_rows]
         lp_tokens = [t for g in groups for t in tokens[id(g)]]
-        logprobs = self.sampler.row_logprobs(logits[lp_rows], lp_reqs, lp_tokens) \
+        logprobs = self.sampler.row_logprobs(logits[lp_rows], lp_reqs, lp_tokens,
+                                             None if raw is None else raw.take(lp_rows)) \
             if any(r.sampling_params.logprobs is not None for r in lp_reqs) else [None] * len(lp_rows)
         pos = 0
         for g in groups:
