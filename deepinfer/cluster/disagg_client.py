@@ -55,7 +55,8 @@ from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingReques
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
-from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta, RequestError
+from deepinfer.server.messages import (EngineStatsSnapshot, RequestDelta, RequestError,
+                                       rejection_error)
 from deepinfer.server.zmq_inbox import receive_message
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def _worker_error(error: RequestError, num_tokens_streamed: int) -> Exception:
     if error.failed:
         return RequestFailedError(error.message, error.engine_fault)
     if num_tokens_streamed == 0:
-        return ValueError(error.message)
+        return rejection_error(error)
     return EngineDeadError(error.message)
 
 

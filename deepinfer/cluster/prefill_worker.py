@@ -236,7 +236,7 @@ class PrefillWorkerLoop(WorkerLoop):
                                     message.sampling_params, arrival_time=message.arrival_time,
                                     **mm)
         except ValueError as exc:
-            self.emit_error(message.request_id, str(exc))
+            self.emit_error(message.request_id, str(exc), getattr(exc, "param", None))
             return False
         self.tracker.add_request(message.request_id, message.sampling_params)
         hashes = (self.tier.block_hashes(message.prompt_token_ids, image_spans(message))

@@ -157,8 +157,8 @@ class WorkerLoop:
             time.sleep(0.05)
 
     # --- reports -----------------------------------------------------------------------------
-    def emit_error(self, request_id: str, message: str) -> None:
-        self._errors.append(RequestError(request_id, message))
+    def emit_error(self, request_id: str, message: str, param: str | None = None) -> None:
+        self._errors.append(RequestError(request_id, message, param=param))
         self._dirty = True
 
     def emit_prefill_done(self, done: PrefillDone) -> None:

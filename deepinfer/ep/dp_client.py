@@ -31,7 +31,8 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError, RequestFailedError, exit_message
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
-                                       EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder)
+                                       EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder,
+                                       rejection_error)
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +327,7 @@ class DataParallelClient:
             track = self._tracks.get(error.request_id)
             if track is not None and track.rank is handle:
                 failure = (RequestFailedError(error.message, error.engine_fault) if error.failed
-                           else ValueError(error.message))  # a failed step, or a rejection
+                           else rejection_error(error))  # a failed step, or a rejection
                 track.queue.put_nowait(_Failed(failure, group_lost=False))
 
     async def _on_group_lost(self, group: GroupHandle, incarnation: int, reason: str) -> None:

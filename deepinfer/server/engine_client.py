@@ -32,7 +32,7 @@ from deepinfer.server.engine_proc import run_engine_proc
 from deepinfer.server.engine_supervisor import EngineRestartPolicy, EngineSupervisor
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
-    RequestDelta, Shutdown, make_encoder, make_engine_decoder,
+    RequestDelta, Shutdown, make_encoder, make_engine_decoder, rejection_error,
 )
 from deepinfer.server.zmq_inbox import receive_message
 
@@ -301,7 +301,7 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(_RequestFailed(
                     RequestFailedError(error.message, error.engine_fault) if error.failed
-                    else ValueError(error.message)))
+                    else rejection_error(error)))
 
     async def _on_engine_dead(self, proc, input_socket, output_socket, message: str) -> None:
         if self._supervisor.policy.max_restarts > 0:

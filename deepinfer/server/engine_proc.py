@@ -188,7 +188,8 @@ class EngineLoop:
                                     mm_inputs=message.mm_inputs)
             self.tracker.add_request(message.request_id, message.sampling_params)
         except ValueError as e:
-            self._pending_errors.append(RequestError(message.request_id, str(e)))
+            self._pending_errors.append(RequestError(message.request_id, str(e),
+                                                     param=getattr(e, "param", None)))
         except Exception as e:  # one bad request must not take down every other one
             logger.exception("request %s rejected", message.request_id)
             self._pending_errors.append(RequestError(

@@ -17,7 +17,7 @@ import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import InvalidParameter, SamplingParams
 
 # --- front -> engine ---------------------------------------------------------------------------
 
@@ -96,6 +96,15 @@ class RequestError(msgspec.Struct):
     message: str
     failed: bool = False
     engine_fault: bool = False
+    param: str | None = None  # a rejection's field (InvalidParameter.param), if it names one
+
+
+def rejection_error(error: RequestError) -> ValueError:
+    """The front door's exception for an engine's rejection: InvalidParameter when the engine
+    named the field, so the 400's `param` never depends on how the message is worded."""
+    if error.param is not None:
+        return InvalidParameter(error.param, error.message)
+    return ValueError(error.message)
 
 
 class EngineStatsSnapshot(msgspec.Struct):

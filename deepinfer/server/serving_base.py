@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import InvalidParameter, SamplingParams
 from deepinfer.server.admission import Admission, AdmissionGate
 from deepinfer.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from deepinfer.server.errors import APIError, bad_request
@@ -124,10 +124,14 @@ SSE_DONE = "data: [DONE]\n\n"
 
 _MIN_TEMPERATURE = 1e-5  # below: greedy (a float32 division would overflow to inf / nan)
 _MIN_TOP_P = 1e-7  # below: the same single top token, but still > 0 in float32
+# A log-prob of -inf (a token the request's processing excluded; --logprobs-mode processed_*)
+# has no JSON form: it is sent as this floor, as vLLM does.
+LOGPROB_FLOOR = -9999.0
 
 
-# Fields whose values the engine checks against the model (vocabulary, EOS).
-_ENGINE_CHECKED_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+def json_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
 
 
 def _same_value(value, off) -> bool:
@@ -275,10 +279,16 @@ class OpenAIServing:
                 else request.repetition_penalty,
                 logit_bias=logit_bias, allowed_token_ids=allowed,
                 bad_words=request.bad_words or [])
-        except ValueError as e:  # the messages start with the field's name
-            name = str(e).split(" ", 1)[0]
-            raise bad_request(str(e), param=name if name in type(request).model_fields
-                              else None) from None
+        except InvalidParameter as e:
+            raise bad_request(str(e), param=self.request_param(request, e.param)) from None
+
+    # The request field a SamplingParams field comes from, where their names differ.
+    sampling_field_names: dict[str, str] = {}
+
+    def request_param(self, request, field: str) -> str | None:
+        """The request's name for SamplingParams field `field` (None if it has none)."""
+        name = self.sampling_field_names.get(field, field)
+        return name if name in type(request).model_fields else None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, admission: Admission, mm_inputs=None,
@@ -305,9 +315,8 @@ class OpenAIServing:
                     timer.on_finish(now, state.choices[0].finish_reason, delta.times)
                 yield state
         except ValueError as e:
-            finished = True  # rejected by the engine: never ran
-            name = str(e).split(" ", 1)[0]  # the sampling checks name their field first
-            raise bad_request(str(e), param=name if name in _ENGINE_CHECKED_FIELDS
+            finished = True  # rejected by the engine: never ran; its checks name their field
+            raise bad_request(str(e), param=e.param if isinstance(e, InvalidParameter)
                               else "prompt") from None
         except RequestFailedError as e:
             finished = True  # the engine dropped it: counted as a failure, not an abort

@@ -12,7 +12,8 @@ from deepinfer.server.protocol import (
     CHAT_ROLES, ChatTopLogprob, DeltaMessage, random_id,
 )
 from deepinfer.server.serving_base import (
-    SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, make_usage, sse_event,
+    SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, json_logprob, make_usage,
+    sse_event,
 )
 
 _ROLES = CHAT_ROLES
@@ -60,6 +61,7 @@ def has_image_parts(messages: list[dict[str, Any]]) -> bool:
 
 
 class OpenAIServingChat(OpenAIServing):
+    sampling_field_names = {"logprobs": "top_logprobs"}  # chat's count of alternatives
     # Vision-language models (colocated): the checkpoint's MultiModalProcessor and the
     # operator's MediaPolicy, set by `enable_images`; None = image parts are refused.
     mm_processor = None
@@ -157,10 +159,10 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for lp in logprobs:
             token = self.token_text(lp.token_id)
-            top = [ChatTopLogprob(token=self.token_text(t), logprob=v,
+            top = [ChatTopLogprob(token=self.token_text(t), logprob=json_logprob(v),
                                   bytes=list(self.token_text(t).encode()))
                    for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
-            content.append(ChatTokenLogprob(token=token, logprob=lp.logprob,
+            content.append(ChatTokenLogprob(token=token, logprob=json_logprob(lp.logprob),
                                             bytes=list(token.encode()), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 

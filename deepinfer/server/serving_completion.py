@@ -13,8 +13,8 @@ from deepinfer.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id,
 )
 from deepinfer.server.serving_base import (
-    SSE_DONE, ChoiceState, EngineRequestState, OpenAIServing, StreamCursor, make_usage,
-    sse_event,
+    SSE_DONE, ChoiceState, EngineRequestState, OpenAIServing, StreamCursor, json_logprob,
+    make_usage, sse_event,
 )
 
 
@@ -124,9 +124,10 @@ class OpenAIServingCompletion(OpenAIServing):
         for lp in logprobs:
             token = self.token_text(lp.token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            top = {self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-            top.setdefault(token, lp.logprob)
+            out.token_logprobs.append(json_logprob(lp.logprob))
+            top = {self.token_text(t): json_logprob(v)
+                   for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            top.setdefault(token, json_logprob(lp.logprob))
             out.top_logprobs.append(top)
             out.text_offset.append(text_offset)
             text_offset += len(token)

@@ -23,6 +23,9 @@ class StubTokenizer:
         ids = [10 + (ord(c) % 80) for c in text]
         return [BOS] + ids if add_special_tokens else ids
 
+    def decode(self, ids) -> str:
+        return "".join(chr(32 + t % 90) for t in ids)
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ">"
 
@@ -202,11 +205,15 @@ def test_unknown_fields_are_accepted_and_logged_once(chat, caplog):
 
 def test_engine_rejections_name_the_field(chat):
     """The engine checks some values against the model (EOS, tokenized bad words): its
-    ValueError becomes a 400 naming that field, not the prompt."""
+    rejection carries the field (RequestError.param) and becomes a 400 naming that field,
+    not the prompt, however the message is worded."""
     import asyncio
 
+    from deepinfer.server.messages import RequestError, rejection_error
+
     async def generate(*args, **kwargs):
-        raise ValueError("allowed_token_ids leaves no token to sample before min_tokens")
+        raise rejection_error(RequestError("r", "no token is left to sample before min_tokens",
+                                           param="allowed_token_ids"))
         yield  # an async generator, like the real client's
 
     serving = make(OpenAIServingChat)
@@ -223,3 +230,87 @@ def test_engine_rejections_name_the_field(chat):
     with pytest.raises(APIError) as e:
         asyncio.run(run())
     assert e.value.status_code == 400 and e.value.info.param == "allowed_token_ids"
+
+
+# --- the 400's param comes from the field the check names, never from the message ------------
+
+SAMPLING_ERRORS = [
+    (dict(n=0), "n"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={1: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
+]
+
+
+@pytest.mark.parametrize("fields,param", SAMPLING_ERRORS,
+                         ids=[f"{p}-{i}" for i, (_, p) in enumerate(SAMPLING_ERRORS)])
+def test_every_sampling_params_error_names_its_field(fields, param):
+    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(**fields)
+    assert e.value.param == param
+    assert isinstance(e.value, ValueError)  # callers that catch ValueError still do
+
+
+class _Reworded:
+    """SamplingParams whose check fails with a message that starts with no field name."""
+
+    def __init__(self, param):
+        self.param = param
+
+    def __call__(self, **kwargs):
+        from deepinfer.sampling_params import InvalidParameter
+        raise InvalidParameter(self.param, "a value out of range (reworded)")
+
+
+@pytest.mark.parametrize("param", ["presence_penalty", "min_tokens", "stop", "logit_bias"])
+def test_param_does_not_depend_on_the_message(completion, monkeypatch, param):
+    import deepinfer.server.serving_base as serving_base
+    monkeypatch.setattr(serving_base, "SamplingParams", _Reworded(param))
+    assert error(prepare_completion, completion).info.param == param
+
+
+def test_chat_names_its_own_field_for_logprobs(chat, monkeypatch):
+    """SamplingParams.logprobs is chat's top_logprobs (chat's `logprobs` is a boolean)."""
+    import deepinfer.server.serving_base as serving_base
+    monkeypatch.setattr(serving_base, "SamplingParams", _Reworded("logprobs"))
+    assert error(prepare_chat, chat, logprobs=True, top_logprobs=2).info.param == "top_logprobs"
+
+
+def test_engine_loop_sends_the_rejected_field():
+    """The engine process's rejection carries InvalidParameter.param over the wire."""
+    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    from deepinfer.server.engine_proc import EngineLoop
+    from deepinfer.server.messages import (AddRequest, EngineOutputs, make_encoder,
+                                           make_engine_decoder, rejection_error)
+
+    class Engine:
+        def add_request(self, *args, **kwargs):
+            raise InvalidParameter("stop_token_ids", "an id outside the vocabulary")
+
+    loop = EngineLoop(Engine(), None, None)
+    loop._handle(AddRequest("r", [1, 2], SamplingParams(), 0.0))
+    frame = make_encoder().encode(EngineOutputs([], loop._pending_errors))
+    error = make_engine_decoder().decode(frame).errors[0]
+    raised = rejection_error(error)
+    assert isinstance(raised, InvalidParameter) and raised.param == "stop_token_ids"
+    assert str(raised) == "an id outside the vocabulary"
+
+
+def test_excluded_tokens_logprobs_are_valid_json(completion, chat):
+    """A token the request's processing excluded has log-prob -inf (--logprobs-mode
+    processed_*, e.g. top_k or allowed_token_ids): sent as vLLM's floor -9999.0, since JSON has
+    no -inf (the non-streamed response was a 500)."""
+    import json
+
+    from deepinfer.core.scheduler_output import TokenLogprobs
+    lps = [TokenLogprobs(token_id=5, logprob=-0.0, rank=1, top_token_ids=[5, 6, 7],
+                         top_logprobs=[0.0, float("-inf"), float("-inf")])]
+    for body in (completion._logprobs(lps, 0).model_dump(), chat._logprobs(lps).model_dump()):
+        text = json.dumps(body, allow_nan=False)  # as the JSON response encodes it
+        assert "-9999.0" in text
