@@ -1,18 +1,16 @@
-"""Production traces → benchmark requests: Mooncake JSONL (with prefix `hash_ids`) and Azure CSV.
+"""Production trace rows → benchmark requests: rows, shrinking, prefix tokens (the file formats
+are read by trace_formats.py).
 
-Mooncake rows hold one hash id per 512-token block; equal ids mean equal blocks, and ids are
-chained (a shared id implies the whole prefix before it is shared). We give every distinct id
-its own block of token ids, derived only from (seed, id), and concatenate: requests then share
-exactly the token prefixes the trace says they share. Shrinking (`length_scale`) scales the
-block size together with the lengths, so the sharing structure survives; `max_input_len`
-truncates prompts, which keeps prefixes shared. Pure: stdlib + numpy.
+A trace with `hash_ids` holds one id per block of its own size (Mooncake 512 tokens, Bailian
+16); equal ids mean equal blocks. We give every distinct id its own block of token ids, derived
+only from (seed, id), and concatenate: requests then share exactly the token prefixes the trace
+says they share. Shrinking (`length_scale`) scales the trace's block size together with the
+lengths, so the sharing structure survives; `max_input_len` truncates prompts, which keeps
+prefixes shared. Pure: stdlib + numpy.
 """
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import dataclass
-from datetime import datetime
 
 import numpy as np
 
@@ -21,12 +19,12 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 @dataclass(frozen=True)
 class TraceRow:
-    """One trace request before tokens are made: times in seconds from the first row."""
+    """One trace request before tokens are made: times in seconds from the earliest row."""
 
     timestamp_s: float
     input_len: int
     output_len: int
-    hash_ids: tuple[int, ...] | None = None  # None: no prefix information (Azure)
+    hash_ids: tuple[int, ...] | None = None  # None: no prefix information (Azure, BurstGPT)
 
 
 @dataclass(frozen=True)
@@ -45,9 +43,9 @@ class ShrinkConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
 
-    @property
-    def block_tokens(self) -> int:
-        return max(1, round(MOONCAKE_BLOCK_TOKENS * self.length_scale))
+    def block_tokens(self, trace_block_tokens: int) -> int:
+        """The trace's hash block size scaled with the lengths (at least one token)."""
+        return max(1, round(trace_block_tokens * self.length_scale))
 
     def input_len(self, n: int) -> int:
         n = max(1, round(n * self.length_scale))
@@ -57,11 +55,19 @@ class ShrinkConfig:
         n = max(1, round(n * self.length_scale))
         return min(n, self.max_output_len) if self.max_output_len else n
 
-    def describe(self) -> str:
+    def describe(self, trace_block_tokens: int | None = None) -> str:
         parts = []
         if self.length_scale != 1.0:
-            parts.append(f"lengths x{self.length_scale:g} (hash block {MOONCAKE_BLOCK_TOKENS} -> "
-                         f"{self.block_tokens} tokens)")
+            text = f"lengths x{self.length_scale:g}"
+            if trace_block_tokens:
+                block = self.block_tokens(trace_block_tokens)
+                text += f" (hash block {trace_block_tokens} -> {block} tokens"
+                exact = trace_block_tokens * self.length_scale
+                if abs(block / exact - 1) > 0.25:  # rounding moved where shared prefixes end
+                    text += (f", x{block / trace_block_tokens:g} not x{self.length_scale:g}: "
+                             f"prefix sharing {'over' if block > exact else 'under'}stated")
+                text += ")"
+            parts.append(text)
         if self.max_input_len:
             parts.append(f"prompts truncated to {self.max_input_len} tokens")
         if self.max_output_len:
@@ -69,32 +75,12 @@ class ShrinkConfig:
         return "; ".join(parts) or "unchanged"
 
 
-def read_mooncake_jsonl(path: str, limit: int | None = None) -> list[TraceRow]:
-    """Rows of a Mooncake trace. Timestamps (ms) are quantized to ticks; requests sharing a
-    tick are spread evenly over it so they do not all arrive at once."""
-    raw = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(raw) >= limit:
-                break
-            try:
-                obj = json.loads(line)
-                raw.append((float(obj["timestamp"]) / 1000.0, int(obj["input_length"]),
-                            int(obj["output_length"]), tuple(int(h) for h in obj["hash_ids"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row ({e})") from None
-    times = spread_ticks([r[0] for r in raw])
-    return [TraceRow(t, r[1], r[2], r[3]) for t, r in zip(times, raw)]
-
-
 def spread_ticks(timestamps: list[float]) -> list[float]:
     """Spread runs of equal timestamps evenly over the gap to the next distinct timestamp
-    (the last run uses the median gap); the result starts at 0."""
+    (the last run uses the median gap); the result counts from the earliest, 0."""
     if not timestamps:
         return []
-    start = timestamps[0]
+    start = min(timestamps)
     distinct = sorted(set(timestamps))
     gaps = np.diff(distinct)
     default_gap = float(np.median(gaps)) if len(gaps) else 0.0
@@ -110,31 +96,6 @@ def spread_ticks(timestamps: list[float]) -> list[float]:
         seen[t] = k + 1
         out.append(t - start + (next_time[t] - t) * k / counts[t])
     return out
-
-
-def read_azure_csv(path: str, limit: int | None = None) -> list[TraceRow]:
-    """Rows of an Azure LLM inference trace (TIMESTAMP,ContextTokens,GeneratedTokens)."""
-    rows = []
-    with open(path, newline="") as f:
-        for line_no, rec in enumerate(csv.DictReader(f), 2):
-            if limit is not None and len(rows) >= limit:
-                break
-            try:
-                rows.append((_parse_azure_time(rec["TIMESTAMP"]), int(rec["ContextTokens"]),
-                             int(rec["GeneratedTokens"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: not an Azure trace row ({e})") from None
-    if not rows:
-        return []
-    start = rows[0][0]
-    return [TraceRow(t - start, i, o) for t, i, o in rows]
-
-
-def _parse_azure_time(text: str) -> float:
-    """'2023-11-16 18:15:46.6805900' (7 fractional digits) → POSIX seconds."""
-    whole, _, frac = text.strip().partition(".")
-    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp()
-    return base + (float(f"0.{frac}") if frac else 0.0)
 
 
 class HashBlockTokens:

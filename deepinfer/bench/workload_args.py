@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from deepinfer.bench.trace_formats import FORMATS, TIME_UNITS
 from deepinfer.bench.traces import ShrinkConfig
 from deepinfer.bench.workloads import WorkloadConfig
 
@@ -13,7 +14,8 @@ from deepinfer.bench.workloads import WorkloadConfig
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="random",
-                   help="random | shared-prefix | images | trace:PATH (.jsonl Mooncake, .csv Azure)")
+                   help="random | shared-prefix | images | trace:PATH (Mooncake / Bailian JSONL, "
+                        "Azure / BurstGPT CSV, generic JSONL/CSV; gzip too)")
     w.add_argument("--num-prompts", type=int, default=100)
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=128)
@@ -26,6 +28,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--length-scale", type=float, default=1.0, help="multiply trace lengths")
     w.add_argument("--max-input-len", type=int, default=None)
     w.add_argument("--max-output-len", type=int, default=None)
+    w.add_argument("--trace-format", default="auto", choices=("auto",) + FORMATS,
+                   help="trace layout; auto: detected from the file's keys/columns")
+    w.add_argument("--trace-time-unit", default=None, choices=tuple(TIME_UNITS),
+                   help="unit of numeric trace timestamps (default: the format's: Mooncake ms, "
+                        "Bailian / BurstGPT / generic s)")
+    w.add_argument("--trace-block-tokens", type=int, default=None, metavar="N",
+                   help="tokens per trace hash_ids entry (default: the format's: Mooncake 512, "
+                        "Bailian 16, generic inferred from the rows)")
     w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--images-per-request", type=int, default=1, help="images workload")
@@ -61,6 +71,9 @@ def workload_config_from_args(args) -> WorkloadConfig:
         time_scale=args.time_scale,
         shrink=ShrinkConfig(args.length_scale, args.max_input_len, args.max_output_len),
         token_id_range=(low, high), seed=args.seed,
+        trace_format=getattr(args, "trace_format", "auto"),
+        trace_time_unit=getattr(args, "trace_time_unit", None),
+        trace_block_tokens=getattr(args, "trace_block_tokens", None),
         **image_workload_fields(args))
 
 

@@ -2,7 +2,8 @@
 
     random          --input-len/--output-len (optionally +-range_ratio), random token ids
     shared-prefix   groups of prompts that share a system prompt of shared_prefix_len tokens
-    trace:PATH      Mooncake JSONL (prefix hash_ids) or Azure CSV, optionally shrunk
+    trace:PATH      a public trace (Mooncake / Bailian JSONL with prefix hash_ids, Azure /
+                    BurstGPT CSV, or a generic JSONL/CSV; see trace_formats.py), optionally shrunk
     images          random text plus images_per_request synthetic images per prompt (chat
                     endpoint; sizes from image_sizes; num_unique_images > 0 draws them from a
                     pool of that many, so images repeat and hit the embedding caches)
@@ -17,9 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deepinfer.bench.traces import (
-    HashBlockTokens, ShrinkConfig, TraceRow, read_azure_csv, read_mooncake_jsonl,
-)
+from deepinfer.bench.trace_formats import TraceOptions, read_trace_file
+from deepinfer.bench.traces import HashBlockTokens, ShrinkConfig
 
 DEFAULT_TOKEN_ID_RANGE = (1000, 30000)  # inside every modern vocabulary, clear of specials
 
@@ -58,8 +58,12 @@ class WorkloadConfig:
     images_per_request: int = 1  # images workload
     image_sizes: tuple[tuple[int, int], ...] = ((336, 336),)  # (width, height), drawn uniformly
     num_unique_images: int = 0  # 0: every image new; N: drawn from a pool of N
+    trace_format: str = "auto"  # auto | mooncake | bailian | azure | burstgpt | generic
+    trace_time_unit: str | None = None  # s | ms; None: the trace format's own
+    trace_block_tokens: int | None = None  # tokens per hash id; None: the format's own
 
     def __post_init__(self) -> None:
+        self.trace_options()  # raises ValueError for a bad trace format / unit / block size
         if not (self.kind in ("random", "shared-prefix", "images") or self.kind.startswith("trace:")):
             raise ValueError(f"unknown workload {self.kind!r}: use random, shared-prefix, images "
                              "or trace:PATH")
@@ -79,6 +83,9 @@ class WorkloadConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def trace_options(self) -> TraceOptions:
+        return TraceOptions(self.trace_format, self.trace_time_unit, self.trace_block_tokens)
 
 
 @dataclass(frozen=True)
@@ -142,22 +149,16 @@ def image_specs(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple[Ima
     return [tuple(pool[int(j)] for j in rng.integers(len(pool), size=k)) for _ in range(cfg.num_prompts)]
 
 
-def read_trace(path: str, limit: int) -> list[TraceRow]:
-    if path.endswith(".jsonl"):
-        return read_mooncake_jsonl(path, limit)
-    if path.endswith(".csv"):
-        return read_azure_csv(path, limit)
-    raise ValueError(f"unknown trace format {path!r}: need .jsonl (Mooncake) or .csv (Azure)")
-
-
 def trace_workload(cfg: WorkloadConfig, rng: np.random.Generator
                    ) -> tuple[list, list[float], str]:
     path = cfg.kind.removeprefix("trace:")
-    rows = read_trace(path, cfg.num_prompts)
+    trace = read_trace_file(path, cfg.num_prompts, cfg.trace_options())
+    rows = trace.rows
     if not rows:
         raise ValueError(f"trace {path!r} has no requests")
     low, high = cfg.token_id_range
-    blocks = HashBlockTokens(cfg.shrink.block_tokens, low, high, cfg.seed)
+    blocks = HashBlockTokens(cfg.shrink.block_tokens(trace.block_tokens or 1), low, high,
+                             cfg.seed)
     items = []
     for row in rows:
         n = cfg.shrink.input_len(row.input_len)
@@ -167,9 +168,10 @@ def trace_workload(cfg: WorkloadConfig, rng: np.random.Generator
     times = [row.timestamp_s * cfg.time_scale for row in rows]
     mean_in = np.mean([row.input_len for row in rows])
     mean_out = np.mean([row.output_len for row in rows])
-    description = (f"trace {path}: {len(rows)} requests over {times[-1]:.1f} s (time x"
-                   f"{cfg.time_scale:g}); trace mean input {mean_in:.0f}, output {mean_out:.0f}"
-                   f"; shrunk: {cfg.shrink.describe()}")
+    description = (f"trace {path} ({trace.describe()}): {len(rows)} requests over "
+                   f"{max(times):.1f} s (time x{cfg.time_scale:g}); trace mean input "
+                   f"{mean_in:.0f}, output {mean_out:.0f}; shrunk: "
+                   f"{cfg.shrink.describe(trace.block_tokens)}")
     return items, times, description
 
 

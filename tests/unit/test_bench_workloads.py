@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from deepinfer.bench.traces import (
-    HashBlockTokens, ShrinkConfig, read_azure_csv, read_mooncake_jsonl, spread_ticks,
-)
+from deepinfer.bench.trace_formats import read_azure_csv, read_mooncake_jsonl
+from deepinfer.bench.traces import HashBlockTokens, ShrinkConfig, spread_ticks
 from deepinfer.bench.workloads import WorkloadConfig, build_workload, poisson_arrivals
 from tests.shared_traces import trace_path
 
@@ -153,8 +152,10 @@ def test_bad_inputs_raise_value_error(tmp_path):
     bad.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_mooncake_jsonl(str(bad))
-    with pytest.raises(ValueError, match="unknown trace format"):
-        build_workload(WorkloadConfig(kind=f"trace:{tmp_path}/x.txt"))
+    unknown = tmp_path / "x.txt"
+    unknown.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="unknown trace layout"):
+        build_workload(WorkloadConfig(kind=f"trace:{unknown}"))
 
 
 def test_real_mooncake_trace_every_request_shares_the_system_block():
