@@ -157,8 +157,8 @@ def trace_workload(cfg: WorkloadConfig, rng: np.random.Generator
     if not rows:
         raise ValueError(f"trace {path!r} has no requests")
     low, high = cfg.token_id_range
-    blocks = HashBlockTokens(cfg.shrink.block_tokens(trace.block_tokens or 1), low, high,
-                             cfg.seed)
+    blocks = (HashBlockTokens(cfg.shrink.block_tokens(trace.block_tokens), low, high, cfg.seed)
+              if trace.block_tokens else None)  # rows carry hash_ids exactly when it is set
     items = []
     for row in rows:
         n = cfg.shrink.input_len(row.input_len)
