@@ -16,6 +16,14 @@ and writes the relative errors of TTFT p50, TPOT p50 and output throughput:
     .venv/bin/python benchmarks/sim_validation.py --trace T.csv --num-prompts 40 \
         --length-scale 0.25 --max-input-len 768 --max-output-len 48 --time-scale 0.1
 
+The real engine's run-to-run spread can be as wide as the target, so compare like with like
+(recommended): `--repeats 3` runs each case's engine three times (a fresh server each) and
+`--sim-samples 16` runs the simulator 16 times with the profile's measured step-time noise
+and the runs' measured send lag; the headline is the simulated mean against the measured mean
+(`sim_validation_report.py`). `--measured OLD.json[,...] --profile P.json` re-simulates the
+measured runs of earlier outputs without running the engine. Defaults (1 run, 1 deterministic
+simulation) are the single-run comparison.
+
 Nothing is fitted to a trace: step times, per-step host overhead and the KV link come from
 `deepinfer profile` (measured here before the runs); the shared store's speed is a stated
 assumption (1 GB/s + 1 ms). The host's cores are shared (contention). For every real run the
@@ -41,18 +49,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deepinfer.bench.latency_stats import summarize  # noqa: E402
+from benchmarks.sim_validation_calibration import configure, host_cpu_keys  # noqa: E402
+from benchmarks.sim_validation_report import (  # noqa: E402
+    compare, format_p50_position, format_repeat_rows, p50_position, repeat_rows,
+    summary_from_dict)
+from deepinfer.bench.latency_stats import finite_json, summarize  # noqa: E402
 from deepinfer.bench.serve_client import ClientConfig, run_benchmark  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
 from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
+from deepinfer.sim.perturbation import NoiseSpec  # noqa: E402
+from deepinfer.sim.sampling import sample_runs, samples_report  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 DEEPINFER = [str(Path(sys.executable).with_name("deepinfer"))]
 NUM_KV_BLOCKS = 2048
-METRICS = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("output_throughput", None),
-           ("ttft_ms", "mean"))  # the mean: not on a step boundary as p50 can be (docs)
 
 
 def measure_profile(path: str, grid: str) -> None:
@@ -68,28 +80,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc, port: int, log, timeout_s: float = 600.0) -> None:
+    """Poll /health until the server answers (RuntimeError if it exits or never does)."""
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"serve exited: {log.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("serve not ready")
+        time.sleep(0.5)
+
+
+def send_lag_ms(results, requests) -> float | None:
+    """Mean of how late the client sent each request after its scheduled time (ms): the
+    simulator's samples delay arrivals by this much on average."""
+    lags = [1e3 * max(0.0, r.start_s - q.arrival_time_s) for r, q in zip(results, requests)]
+    return sum(lags) / len(lags) if lags else None
+
+
 def serve_and_bench(extra_args: list[str], workload) -> dict:
     """Start `deepinfer serve`, replay the workload with the bench client, stop the server."""
-    import httpx
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sim-validation-serve-", suffix=".log")
     proc = subprocess.Popen(DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
                                          "--num-kv-blocks", str(NUM_KV_BLOCKS), *extra_args],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"serve exited: {log.read()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve not ready")
-            time.sleep(0.5)
+        wait_ready(proc, port, log)
         config = ClientConfig(base_url=f"http://127.0.0.1:{port}", show_progress=False)
         # Warm-up (not measured): the first steps of a fresh engine pay one-off costs
         # (allocator growth, kernel selection) that the profile, measured warm, excludes.
@@ -105,14 +129,16 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
         summary = summarize(run.results, run.duration_s)
         cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         return {"summary": summary, "hit_rate": run.prefix_cache_hit_rate,
-                "load_before": load_before, "load_after": os.getloadavg()[0],
+                "load_average": [load_before, os.getloadavg()[0]],
                 "cpu_s": cpu, "cluster_counters": cluster_counters(port),
                 "workers": {w: {k: v - workers_before.get(w, {}).get(k, 0.0)
                                 for k, v in c.items()} for w, c in workers_after.items()},
                 "first_error": next((r.error for r in run.results if not r.success), None),
-                # Per request (sorted): shows which step each first token came out of.
-                "ttfts_ms": sorted(1e3 * (r.start_s + r.ttft_s) for r in run.results
-                                   if r.ttft_s is not None)}
+                "send_lag_ms": send_lag_ms(run.results, workload.requests),
+                # Per request: which step each first token came out of (sorted), and TTFTs.
+                "first_token_times_ms": sorted(1e3 * (r.start_s + r.ttft_s)
+                                               for r in run.results if r.ttft_s is not None),
+                "ttfts_ms": [1e3 * r.ttft_s for r in run.results if r.ttft_s is not None]}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -248,13 +274,16 @@ def measured_link(profile: str) -> dict:
     return {"bandwidth_gb_s": link["bandwidth_gb_s"], "latency_ms": link["latency_ms"]}
 
 
-def sim_cluster(profile: str, pools: dict, sharing: str = "fair") -> object:
-    return cluster_from_dict({
+def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
+                noise: NoiseSpec | None = None) -> object:
+    cluster = cluster_from_dict({
         "cost": {"profile": profile},
         "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
-        "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing},
+        "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing,
+                                 **host_cpu_keys(profile, pools)},  # front, client, KV-transfer CPU
         "kv_transfer": measured_link(profile),
         "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
+    return dataclasses.replace(cluster, noise=noise)
 
 
 def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
@@ -285,12 +314,9 @@ def work_error(cpu_s: dict[str, float], sim_run) -> float | None:
     return simulated / measured - 1.0 if measured > 0 else None
 
 
-def metric(summary, key, sub):
-    value = getattr(summary, key)
-    return getattr(value, sub) if sub else value
-
-
-def main() -> None:
+# ---- arguments and cases ----------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None):
+    """(args, the custom workload's config); bad input exits 2 with one line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None, help="use this profile instead of measuring")
     parser.add_argument("--grid", default="quick", choices=("quick", "full"))
@@ -303,9 +329,24 @@ def main() -> None:
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="a trace bench serve reads (.jsonl Mooncake, .csv Azure): the "
                              "workload cases replay it (= --workload trace:PATH)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="real runs per case, a fresh server each (default 1)")
+    parser.add_argument("--sim-samples", type=int, default=1, metavar="K",
+                        help="perturbed simulations per case with the profile's measured "
+                             "step-time CV and the runs' measured send lag (default 1: the "
+                             "deterministic run only)")
+    parser.add_argument("--step-time-cv", type=float, default=None,
+                        help="the samples' step-time CV instead of the profile's")
+    parser.add_argument("--measured", default=None, metavar="JSON[,JSON...]",
+                        help="re-simulate only: each case's measured runs from these earlier "
+                             "outputs of this script (no engine run; needs --profile)")
+    parser.add_argument("--host-cpu", default=None, metavar="measure|off|PATH",
+                        help="front / client CPU on the shared cores: measure (default with "
+                             "engine runs; sim_validation_calibration.py), off (default with "
+                             "--measured), or an earlier calibration JSON")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
     add_workload_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.trace is not None:
         args.workload = f"trace:{args.trace}"
     custom = args.trace is not None or args.workload != "random"
@@ -313,162 +354,304 @@ def main() -> None:
         args.cases = "workload,workload-pd" if custom else "w1,mooncake,mooncake-pd"
     try:
         custom_workload = workload_config_from_args(args)
+        if args.step_time_cv is not None:
+            NoiseSpec(step_time_cv=args.step_time_cv)  # its range check
     except ValueError as e:
         parser.exit(2, f"sim_validation: {e}\n")
-    unknown = set(args.cases.split(",")) - {"w1", "mooncake", "mooncake-pd", "workload",
-                                            "workload-pd"}
+    unknown = set(args.cases.split(",")) - set(CASE_NAMES)
     if unknown:
         parser.exit(2, f"sim_validation: unknown cases {sorted(unknown)}\n")
+    if args.repeats < 1 or args.sim_samples < 1:
+        parser.exit(2, "sim_validation: --repeats and --sim-samples must be >= 1\n")
+    if args.measured is not None and args.profile is None:
+        parser.exit(2, "sim_validation: --measured needs --profile (the runs' profile)\n")
+    return args, custom_workload
 
-    stem = Path(args.out).stem
-    profile = args.profile or str(Path(args.out).with_name(f"{stem}_profile.json"))
-    profile_after = str(Path(args.out).with_name(f"{stem}_profile_after.json"))
-    if args.profile is None:
-        print(f"measuring a {args.grid} profile (1 thread) ...", flush=True)
-        measure_profile(profile, args.grid)
+
+CASE_NAMES = ("w1", "mooncake", "mooncake-pd", "workload", "workload-pd")
+
+
+def build_cases(args, custom_workload, store_dir: str) -> dict:
+    """name -> (workload config, serve args for run i, simulated pools)."""
     w1 = WorkloadConfig(kind="random", num_prompts=args.w1_prompts, input_len=256,
                         output_len=128, request_rate=float("inf"))
     mooncake = WorkloadConfig(kind=f"trace:{TRACE}", num_prompts=args.mooncake_prompts,
                               time_scale=0.1,
                               shrink=ShrinkConfig(length_scale=0.05, max_input_len=768,
                                                   max_output_len=48))
-    store_dir = tempfile.mkdtemp(prefix="sim-validation-store-")
     pd_pools = {"prefill": {"workers": 2}, "decode": {"workers": 2}}
+    colocated = {"colocated": {"workers": 1}}
 
-    def pd_args(name: str) -> list[str]:  # each P/D case starts with an empty store
-        return ["--prefill-workers", "2", "--decode-workers", "2",
-                "--kv-store", f"fs://{os.path.join(store_dir, name)}"]
-    cases = {
-        "w1": (w1, [], {"colocated": {"workers": 1}}),
-        "mooncake": (mooncake, [], {"colocated": {"workers": 1}}),
+    def pd_args(name: str):  # every run of a P/D case starts with an empty store
+        return lambda i: ["--prefill-workers", "2", "--decode-workers", "2",
+                          "--kv-store", f"fs://{os.path.join(store_dir, f'{name}-{i}')}"]
+    return {
+        "w1": (w1, lambda i: [], colocated),
+        "mooncake": (mooncake, lambda i: [], colocated),
         "mooncake-pd": (mooncake, pd_args("mooncake-pd"), pd_pools),
-        "workload": (custom_workload, [], {"colocated": {"workers": 1}}),
+        "workload": (custom_workload, lambda i: [], colocated),
         "workload-pd": (custom_workload, pd_args("workload-pd"), pd_pools),
     }
+
+
+# ---- measured runs ----------------------------------------------------------------------------
+def measure_runs(name: str, workload, serve_args, repeats: int) -> list[dict]:
+    runs = []
+    for i in range(repeats):
+        print(f"[{name}] real engine, run {i + 1}/{repeats}: {workload.description}",
+              flush=True)
+        runs.append(serve_and_bench(serve_args(i), workload))
+    return runs
+
+
+def loaded_runs(paths: list[str], name: str) -> list[dict]:
+    """A case's measured runs from earlier outputs of this script (every run of a file that
+    kept them all, else its one measured run), in the shape `serve_and_bench` returns."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            case = json.load(f).get("cases", {}).get(name)
+        if case is None:
+            continue
+        stored = case.get("measured_runs") or [{
+            "summary": case["measured_summary"], "hit_rate": case.get("measured_hit_rate"),
+            "load_average": case.get("load_average"), "cpu_s": case.get("measured_cpu_s"),
+            "first_token_times_ms": case.get("measured_first_token_times_ms")}]
+        for run in stored:
+            runs.append({**run, "summary": summary_from_dict(run["summary"]), "source": path})
+    return runs
+
+
+def run_json(run: dict) -> dict:
+    """What the JSON keeps of each measured run."""
+    keep = ("hit_rate", "load_average", "cpu_s", "send_lag_ms", "first_token_times_ms",
+            "ttfts_ms", "first_error", "source")
+    return {"summary": dataclasses.asdict(run["summary"]),
+            **{k: run.get(k) for k in keep if k in run}}
+
+
+# ---- simulations ------------------------------------------------------------------------------
+def sample_noise(args, runs: list[dict]) -> NoiseSpec:
+    """The samples' noise: the profile's measured step-time CV (or --step-time-cv) and the
+    measured runs' mean send lag (the default when no run recorded it)."""
+    lags = [r["send_lag_ms"] for r in runs if r.get("send_lag_ms") is not None]
+    return NoiseSpec(step_time_cv=args.step_time_cv,
+                     arrival_jitter_ms=sum(lags) / len(lags) if lags else None)
+
+
+def simulate_case(profile: str, pools: dict, workload, noise: NoiseSpec, num_samples: int):
+    """(the deterministic run, the samples' runs: none when `num_samples` is 1)."""
+    sim_run = simulate_workload(sim_cluster(profile, pools), workload)
+    if num_samples < 2:
+        return sim_run, []
+    return sim_run, sample_runs(sim_cluster(profile, pools, noise=noise), workload, num_samples)
+
+
+def sim_ttfts_ms(sim_run) -> list[float]:
+    return [1e3 * r.ttft_s for r in sim_run.results if r.ttft_s is not None]
+
+
+def measured_p50_position(run: dict) -> dict | None:
+    if run.get("ttfts_ms"):
+        return p50_position(run["ttfts_ms"])
+    return p50_position(run.get("first_token_times_ms") or [], of="first_token_time")
+
+
+def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, profile: str,
+                pools: dict) -> dict:
+    """The case's JSON: the comparison over all runs and samples, then the first run in
+    detail under the keys earlier outputs had."""
+    real, sim = runs[0], sim_run.summary()
+    summaries = [r["summary"] for r in runs]
+    sample_summaries = [s.summary() for s in samples]
+    case = {
+        "workload": workload.description, "num_measured_runs": len(runs),
+        "num_sim_samples": len(samples),
+        "comparison": repeat_rows(summaries, sim, sample_summaries or None),
+        "simulated_samples": samples_report(samples) if samples else None,
+        "measured_runs": [run_json(r) for r in runs],
+        "ttft_p50_position": {
+            "measured": [measured_p50_position(r) for r in runs],
+            "simulated": p50_position(sim_ttfts_ms(sim_run))},
+        "errors": compare(real["summary"], sim),
+        "errors_per_run": [compare(s, sim) for s in summaries],
+        "measured_summary": dataclasses.asdict(real["summary"]),
+        "simulated_summary": dataclasses.asdict(sim),
+        "measured_hit_rate": real.get("hit_rate"),
+        "simulated_hit_rate": sim_run.prefix_cache_hit_rate,
+        "load_average": real.get("load_average"), "measured_cpu_s": real.get("cpu_s"),
+        "cluster_counters": real.get("cluster_counters"),
+        "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
+        "work_error": work_error(real["cpu_s"], sim_run) if real.get("cpu_s") else None,
+        "workers": worker_breakdown(real.get("workers") or {}, sim_run),
+        "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
+        "errors_at_start_sharing": compare(real["summary"], simulate_workload(
+            sim_cluster(profile, pools, "at-start"), workload).summary()),
+        "errors_measured_sharing": measured_sharing_errors(real["summary"], profile, pools,
+                                                           workload),
+        "measured_first_token_times_ms": real.get("first_token_times_ms"),
+        "simulated_first_token_times_ms": sorted(
+            1e3 * r.token_times_s[0] for r in sim_run.records if r.token_times_s),
+        "measured_failed": real["summary"].num_failed,
+        "measured_first_error": real.get("first_error"), "simulated_failed": sim.num_failed}
+    return case
+
+
+def add_cpu_clock(case: dict, cpu_profile: str | None, pools: dict, workload,
+                  real: dict) -> None:
+    """The same case simulated with the profile refitted on CPU seconds (work check)."""
+    if cpu_profile is None:
+        return
+    cpu_run = simulate_workload(sim_cluster(cpu_profile, pools), workload)
+    case["simulated_work_cpu_clock_s"] = sim_work(cpu_run)
+    case["work_error_cpu_clock"] = (work_error(real["cpu_s"], cpu_run)
+                                    if real.get("cpu_s") else None)
+    case["errors_cpu_clock_profile"] = compare(real["summary"], cpu_run.summary())
+
+
+# ---- printing ---------------------------------------------------------------------------------
+def print_case(name: str, case: dict) -> None:
+    """The like-with-like comparison, then where each TTFT p50 sits, then the first run's
+    details (sharing models, CPU seconds, per-worker split)."""
+    n, k = case["num_measured_runs"], case["num_sim_samples"]
+    print(f"[{name}] {n} measured run(s) vs the simulator ("
+          f"{f'{k} perturbed samples' if k else 'deterministic'}); * = issue 14's metrics",
+          flush=True)
+    print(format_repeat_rows(case["comparison"]), flush=True)
+    samples = case["simulated_samples"]
+    if samples:
+        cvs = ", ".join(f"{r} {cv:.3f}" for r, cv in samples["step_time_cv"].items())
+        print(f"  samples' noise: step-time CV {cvs}; send lag "
+              f"{samples['arrival_jitter_ms']:.2f} ms", flush=True)
+    for i, pos in enumerate(case["ttft_p50_position"]["measured"]):
+        print(format_p50_position(f"measured run {i + 1}", pos), flush=True)
+    print(format_p50_position("simulated", case["ttft_p50_position"]["simulated"]), flush=True)
+    failed = case["measured_failed"]
+    if failed:
+        print(f"  measured: {failed} requests failed in the first run "
+              f"({case['measured_first_error']}); its errors compare unequal runs", flush=True)
+    print_first_run_details(case)
+
+
+def _errors_line(rows: dict) -> str:
+    return ", ".join(f"{k} {100 * r['error']:+.1f}%" for k, r in rows.items()
+                     if r["error"] is not None)
+
+
+def print_first_run_details(case: dict) -> None:
+    print("  first run, with at-start host sharing: " + _errors_line(
+        case["errors_at_start_sharing"]), flush=True)
+    if case["errors_measured_sharing"]:
+        print("  first run, with measured host sharing: " + _errors_line(
+            case["errors_measured_sharing"]), flush=True)
+    if case["measured_cpu_s"]:
+        print("  measured CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                               sorted(case["measured_cpu_s"].items())),
+              flush=True)
+    print("  simulated busy s: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in case["simulated_busy_s"].items()) +
+        "; work at full speed (CPU s): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in case["simulated_work_s"].items()), flush=True)
+    for worker_id, row in case["workers"].items():
+        print_worker(worker_id, row)
+    if case["work_error"] is not None:
+        print(f"  simulated work vs the workers' measured CPU seconds: "
+              f"{100 * case['work_error']:+.1f}%", flush=True)
+    if case["work_error_cpu_clock"] is not None:
+        print(f"  ... with the profile refitted on CPU seconds: "
+              f"{100 * case['work_error_cpu_clock']:+.1f}% (" + ", ".join(
+                  f"{k} {v:.1f}" for k, v in case["simulated_work_cpu_clock_s"].items()) + ")",
+              flush=True)
+
+
+def print_worker(worker_id: str, row: dict) -> None:
+    m = row["measured"]
+    print(f"  {worker_id}: measured {m.get('engine_steps', 0):.0f} steps, model "
+          f"{m.get('model_step_seconds', 0):.2f} s, loop {m.get('loop_step_seconds', 0):.2f} s "
+          f"(host {row['measured_host_ms_per_step'] or 0:.2f} ms/step), CPU "
+          f"{m.get('process_cpu_seconds', 0):.2f} s; simulated {row['simulated_steps']} steps, "
+          f"work {row['simulated_work_s']:.2f} s", flush=True)
+    if "model_step_cpu_seconds" in m:  # where the wall time outside CPU went
+        print(f"    measured: CPU in steps {m['model_step_cpu_seconds']:.2f} s (steps' wall - "
+              f"CPU {m.get('model_step_seconds', 0) - m['model_step_cpu_seconds']:.2f} s), "
+              f"idle waiting for input {m.get('idle_wait_seconds', 0):.2f} s", flush=True)
+    if row["simulated_prefilled_requests"] or m.get("prefilled_requests"):
+        print(f"    prefilled requests: measured {m.get('prefilled_requests', 0):.0f}, "
+              f"simulated {row['simulated_prefilled_requests']}; computed tokens: measured "
+              f"{m.get('prefill_computed_tokens', 0):.0f}, simulated "
+              f"{row['simulated_prefill_computed_tokens']}", flush=True)
+
+
+# ---- main -------------------------------------------------------------------------------------
+def run_case(name: str, case_def, args, profile: str, cpu_profile: str | None) -> dict:
+    cfg, serve_args, pools = case_def
+    workload = build_workload(cfg)
+    if args.measured is not None:
+        runs = loaded_runs(args.measured.split(","), name)
+        if not runs:
+            raise SystemExit(f"sim_validation: no measured {name} runs in {args.measured}")
+    else:
+        runs = measure_runs(name, workload, serve_args, args.repeats)
+    sim_run, samples = simulate_case(profile, pools, workload, sample_noise(args, runs),
+                                     args.sim_samples)
+    case = case_report(name, workload, runs, sim_run, samples, profile, pools)
+    add_cpu_clock(case, cpu_profile, pools, workload, runs[0])
+    case["measured_summaries_obj"] = [r["summary"] for r in runs]
+    print_case(name, case)
+    return case
+
+
+def resimulate_after(report: dict, cases: dict, profile_after: str) -> None:
+    """Every case again with the profile measured after the runs (the box's drift)."""
+    report["profile_after"] = profile_after
+    for name, case in report["cases"].items():
+        cfg, _, pools = cases[name]
+        sim = simulate_workload(sim_cluster(profile_after, pools),
+                                build_workload(cfg)).summary()
+        measured = case["measured_summaries_obj"]
+        case["errors_with_profile_after"] = compare(measured[0], sim)
+        case["comparison_with_profile_after"] = repeat_rows(measured, sim)
+        print(f"[{name}] with the after-run profile (first run): "
+              + _errors_line(case["errors_with_profile_after"]) + "; of the measured mean: "
+              + ", ".join(f"{k} {100 * r['error_of_mean']:+.1f}%" for k, r in
+                          case["comparison_with_profile_after"].items()
+                          if r["error_of_mean"] is not None), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, custom_workload = parse_args(argv)
+    stem = Path(args.out).stem
+    profile = args.profile or str(Path(args.out).with_name(f"{stem}_profile.json"))
+    if args.profile is None:
+        print(f"measuring a {args.grid} profile (1 thread) ...", flush=True)
+        measure_profile(profile, args.grid)
     with open(profile) as f:
         meta = json.load(f).get("metadata", {})
+    host_cpu = configure(args.host_cpu, resimulate_only=args.measured is not None)
     cpu_profile = cpu_clock_profile(profile)
     report = {"profile": profile, "cpu_clock_profile": cpu_profile, "grid": args.grid,
-              "num_kv_blocks": NUM_KV_BLOCKS,
-              "cpu_count": os.cpu_count(), "host_overhead": meta.get("host_overhead"),
-              "kv_link": measured_link(profile), "cases": {}}
+              "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),
+              "host_overhead": meta.get("host_overhead"), "kv_link": measured_link(profile),
+              "step_time_cv": meta.get("step_time_cv"), "repeats": args.repeats,
+              "sim_samples": args.sim_samples, "measured_from": args.measured,
+              "host_cpu": host_cpu, "cases": {}}
+    store_dir = tempfile.mkdtemp(prefix="sim-validation-store-")
+    cases = build_cases(args, custom_workload, store_dir)
     try:
         for name in args.cases.split(","):
-            cfg, serve_args, pools = cases[name]
-            workload = build_workload(cfg)
-            print(f"[{name}] real engine: {workload.description}", flush=True)
-            real = serve_and_bench(serve_args, workload)
-            sim_run = simulate_workload(sim_cluster(profile, pools), workload)
-            sim = sim_run.summary()
-            rows = compare(real["summary"], sim)
-            report["cases"][name] = {
-                "workload": workload.description, "errors": rows,
-                "measured_summary": dataclasses.asdict(real["summary"]),
-                "simulated_summary": dataclasses.asdict(sim),
-                "measured_hit_rate": real["hit_rate"], "simulated_hit_rate":
-                    sim_run.prefix_cache_hit_rate, "load_average": [real["load_before"],
-                                                                    real["load_after"]],
-                "measured_cpu_s": real["cpu_s"], "cluster_counters": real["cluster_counters"],
-                "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
-                "work_error": work_error(real["cpu_s"], sim_run),
-                "workers": worker_breakdown(real["workers"], sim_run),
-                "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
-                "errors_at_start_sharing": compare(real["summary"], simulate_workload(
-                    sim_cluster(profile, pools, "at-start"), workload).summary()),
-                "errors_measured_sharing": measured_sharing_errors(real["summary"], profile,
-                                                                   pools, workload),
-                "measured_summary_obj": real["summary"],
-                "measured_first_token_times_ms": real["ttfts_ms"],
-                "simulated_first_token_times_ms": sorted(
-                    1e3 * r.token_times_s[0] for r in sim_run.records if r.token_times_s),
-                "measured_failed": real["summary"].num_failed,
-                "measured_first_error": real["first_error"],
-                "simulated_failed": sim.num_failed}
-            for metric_name, row in rows.items():
-                print(f"  {metric_name:<22} measured {row['measured']:10.2f}  simulated "
-                      f"{row['simulated']:10.2f}  error {100 * row['error']:+6.1f}%", flush=True)
-            failed = real["summary"].num_failed
-            if failed:
-                print(f"  measured: {failed} of {real['summary'].num_requests} requests failed "
-                      f"({real['first_error']}); the errors above compare unequal runs",
-                      flush=True)
-            print("  with at-start host sharing: " + ", ".join(
-                f"{k} {100 * r['error']:+.1f}%" for k, r in
-                report["cases"][name]["errors_at_start_sharing"].items()), flush=True)
-            if report["cases"][name]["errors_measured_sharing"]:
-                print("  with measured host sharing: " + ", ".join(
-                    f"{k} {100 * r['error']:+.1f}%" for k, r in
-                    report["cases"][name]["errors_measured_sharing"].items()), flush=True)
-            print("  measured CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                   sorted(real["cpu_s"].items())) +
-                  f" (duration {real['summary'].duration_s:.1f} s)", flush=True)
-            print("  simulated busy s: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                     sim_busy(sim_run).items()) +
-                  f" (duration {sim.duration_s:.1f} s); work at full speed (CPU s): " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in sim_work(sim_run).items()),
-                  flush=True)
-            for worker_id, row in report["cases"][name]["workers"].items():
-                m = row["measured"]
-                print(f"  {worker_id}: measured {m.get('engine_steps', 0):.0f} steps, model "
-                      f"{m.get('model_step_seconds', 0):.2f} s, loop "
-                      f"{m.get('loop_step_seconds', 0):.2f} s (host "
-                      f"{row['measured_host_ms_per_step'] or 0:.2f} ms/step), CPU "
-                      f"{m.get('process_cpu_seconds', 0):.2f} s; simulated "
-                      f"{row['simulated_steps']} steps, work {row['simulated_work_s']:.2f} s",
-                      flush=True)
-                if "model_step_cpu_seconds" in m:  # where the wall time outside CPU went
-                    print(f"    measured: CPU in steps {m['model_step_cpu_seconds']:.2f} s "
-                          f"(steps' wall - CPU {m.get('model_step_seconds', 0) - m['model_step_cpu_seconds']:.2f} s), "
-                          f"idle waiting for input {m.get('idle_wait_seconds', 0):.2f} s", flush=True)
-                if row["simulated_prefilled_requests"] or m.get("prefilled_requests"):
-                    print(f"    prefilled requests: measured {m.get('prefilled_requests', 0):.0f}, "
-                          f"simulated {row['simulated_prefilled_requests']}; computed tokens: "
-                          f"measured {m.get('prefill_computed_tokens', 0):.0f}, simulated "
-                          f"{row['simulated_prefill_computed_tokens']}", flush=True)
-            werr = report["cases"][name]["work_error"]
-            if werr is not None:
-                print(f"  simulated work vs the workers' measured CPU seconds: "
-                      f"{100 * werr:+.1f}%", flush=True)
-            if cpu_profile is not None:
-                cpu_run = simulate_workload(sim_cluster(cpu_profile, pools), workload)
-                case = report["cases"][name]
-                case["simulated_work_cpu_clock_s"] = sim_work(cpu_run)
-                case["work_error_cpu_clock"] = work_error(real["cpu_s"], cpu_run)
-                case["errors_cpu_clock_profile"] = compare(real["summary"], cpu_run.summary())
-                if case["work_error_cpu_clock"] is not None:
-                    print(f"  ... with the profile refitted on CPU seconds: "
-                          f"{100 * case['work_error_cpu_clock']:+.1f}% (" + ", ".join(
-                              f"{k} {v:.1f}" for k, v in sim_work(cpu_run).items()) + ")",
-                          flush=True)
+            report["cases"][name] = run_case(name, cases[name], args, profile, cpu_profile)
             write(args.out, report)
         if args.profile is None:
             # The box is shared: re-profile after the runs and simulate again, so the report
             # shows how much of the error is the machine's speed drifting under us.
             print("re-measuring the profile after the runs ...", flush=True)
+            profile_after = str(Path(args.out).with_name(f"{stem}_profile_after.json"))
             measure_profile(profile_after, args.grid)
-            report["profile_after"] = profile_after
-            for name in report["cases"]:
-                cfg, _, pools = cases[name]
-                sim = simulate_workload(sim_cluster(profile_after, pools),
-                                        build_workload(cfg)).summary()
-                measured = report["cases"][name]["measured_summary_obj"]
-                rows = compare(measured, sim)
-                report["cases"][name]["errors_with_profile_after"] = rows
-                print(f"[{name}] with the after-run profile: " + ", ".join(
-                    f"{k} {100 * r['error']:+.1f}%" for k, r in rows.items()), flush=True)
+            resimulate_after(report, cases, profile_after)
             write(args.out, report)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     print(f"wrote {args.out}")
-
-
-def compare(measured, simulated) -> dict:
-    rows = {}
-    for key, sub in METRICS:
-        m, s = metric(measured, key, sub), metric(simulated, key, sub)
-        rows[f"{key}{'_' + sub if sub else ''}"] = {
-            "measured": m, "simulated": s, "error": s / m - 1.0 if m else None}
-    return rows
 
 
 def write(path: str, report: dict) -> None:
@@ -476,7 +659,7 @@ def write(path: str, report: dict) -> None:
     clean["cases"] = {name: {k: v for k, v in case.items() if not k.endswith("_obj")}
                       for name, case in report["cases"].items()}
     with open(path, "w") as f:
-        json.dump(clean, f, indent=1, default=lambda x: None)
+        json.dump(finite_json(clean), f, indent=1, default=lambda x: None)
 
 
 if __name__ == "__main__":
