@@ -158,3 +158,64 @@ def test_absent_host_cpu_is_none():
                               "host": {"cores": 2}})
     assert spec.host_cpu is None
     assert ClusterSimulator(spec).host_load is None
+
+
+# ---- benchmarks/sim_validation_calibration.py: the measured costs into a cluster ----------
+def _calibration_module():
+    import importlib.util
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "sim_validation_calibration", root / "benchmarks" / "sim_validation_calibration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_calibration_fit_separates_per_request_and_per_token():
+    calib = _calibration_module()
+    # 32 requests: 0.1 s + 256 tokens, then 0.1 s + 2048 tokens at 0.1 ms each.
+    per_request, per_token = calib._fit_two([(32, 256, 0.1 + 256e-4), (32, 2048, 0.1 + 2048e-4)])
+    assert per_token == pytest.approx(1e-4)
+    assert per_request == pytest.approx(0.1 / 32)
+    # A cost that falls with more tokens (clock-tick noise) is clipped, not negative.
+    assert calib._fit_two([(32, 256, 0.2), (32, 2048, 0.19)])[1] == 0.0
+
+
+def test_calibration_and_profile_give_the_clusters_host_keys(tmp_path):
+    import json
+    calib = _calibration_module()
+    profile = tmp_path / "profile.json"
+    data = json.loads(Path(PROFILE).read_text())
+    data["metadata"]["kv_transport"] = {"bandwidth_gb_s": 0.7, "latency_ms": 0.0,
+                                        "cpu_s_per_gb": {"sender": 0.8, "receiver": 0.5}}
+    profile.write_text(json.dumps(data))
+    shape = {"front_cpu": {"per_request_s": 4e-3, "per_token_s": 1e-4},
+             "client_cpu": {"per_request_s": 3e-3, "per_token_s": 9e-5}}
+    pd_shape = {k: {n: 2 * v for n, v in c.items()} for k, c in shape.items()}
+    calib.use_calibration({"colocated": shape, "pd": pd_shape})
+    keys = calib.host_cpu_keys(str(profile), PD)
+    assert keys == {**pd_shape, "kv_transfer_cpu_s_per_gb": {"sender": 0.8, "receiver": 0.5}}
+    assert calib.host_cpu_keys(str(profile), COLOCATED)["front_cpu"] == shape["front_cpu"]
+    spec = cluster_from_dict({"cost": {"profile": str(profile)}, "pools": PD,
+                              "host": {"cores": 2, **keys}})
+    assert spec.host_cpu.kv_send_s_per_gb == 0.8 and spec.host_cpu.front.per_token_s == 2e-4
+    calib.use_calibration(None)  # a profile without CPU costs adds nothing
+    assert calib.host_cpu_keys(PROFILE, PD) == {}
+    calib.use_calibration(None, enabled=False)
+    assert calib.host_cpu_keys(str(profile), PD) == {}
+
+
+def test_calibration_splits_the_pd_fronts_extra_per_request_into_its_handoff():
+    calib = _calibration_module()
+
+    def runs(front_per_request, front_per_token):
+        return [{"requests": 32, "tokens": t, "client_cpu_s": 32 * 3e-3 + t * 1e-4,
+                 "front_cpu_s": 32 * front_per_request + t * front_per_token}
+                for t in (256, 2048)]
+    costs = calib.costs_from_runs(runs(3e-3, 1e-4), runs(7e-3, 2.5e-4))
+    assert costs["colocated"]["front_cpu"] == pytest.approx(
+        {"per_request_s": 3e-3, "per_token_s": 1e-4})
+    assert costs["pd"]["front_cpu"] == pytest.approx(
+        {"per_request_s": 3e-3, "per_token_s": 2.5e-4, "per_handoff_s": 4e-3})
+    assert costs["pd"]["client_cpu"] == pytest.approx(
+        {"per_request_s": 3e-3, "per_token_s": 1e-4})

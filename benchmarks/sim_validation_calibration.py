@@ -1,0 +1,187 @@
+"""CPU the front door and the bench client take per request and per token, measured on this host.
+
+The simulator's workers share the host's cores with the front door (`deepinfer serve`'s main
+process) and the load generator, and (P/D) with the KV transport's threads (`sim.host_load`).
+Their costs are measured here on a fixed calibration workload, never on the trace being
+validated: random prompts of 256 tokens with 8 and then 64 output tokens (32 requests each,
+8 req/s), on a colocated engine and on P=2 / D=2 (one server each, after a warm-up). Per
+process and cluster shape, CPU = per_request · requests + per_token · tokens on the two runs
+gives both costs; each shape has its own (a P/D front streams at a higher CPU cost per token
+than a colocated one, and so does the client). A P/D front's per-request cost beyond the
+colocated one's is its handoff (prefill done -> decode), charged when the handoff happens.
+The KV transport's CPU per GB comes from the profile (`deepinfer profile`).
+
+    .venv/bin/python benchmarks/sim_validation_calibration.py --out /tmp/host_cpu.json
+
+`sim_validation.py` runs `calibrate` once before its cases (or loads `--host-cpu PATH`) and
+its simulated clusters take `host_cpu_keys(profile)` into their `host` section.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUTPUT_LENS = (8, 64)
+NUM_REQUESTS, INPUT_LEN, RATE = 32, 256, 8.0
+
+# The calibration in use by `host_cpu_keys` (None: front and client not modelled).
+_calibration: dict | None = None
+_enabled = True
+
+
+def use_calibration(calibration: dict | None, enabled: bool = True) -> None:
+    """What `host_cpu_keys` adds from now on: this calibration's front and client costs, and
+    (when `enabled`) the profile's KV-transfer CPU; `enabled=False`: nothing at all."""
+    global _calibration, _enabled
+    _calibration, _enabled = calibration, enabled
+
+
+def host_cpu_keys(profile: str, pools: dict) -> dict:
+    """Keys for a simulated cluster's `host` section: the calibration's front / client costs
+    for its shape (colocated or P/D) and the profile's KV transport CPU per GB (each only when
+    measured)."""
+    if not _enabled:
+        return {}
+    keys = {}
+    if _calibration is not None:
+        shape = _calibration["pd" if "prefill" in pools else "colocated"]
+        keys["front_cpu"] = dict(shape["front_cpu"])
+        keys["client_cpu"] = dict(shape["client_cpu"])
+    with open(profile) as f:
+        link = json.load(f).get("metadata", {}).get("kv_transport") or {}
+    if link.get("cpu_s_per_gb"):
+        keys["kv_transfer_cpu_s_per_gb"] = dict(link["cpu_s_per_gb"])
+    return keys
+
+
+def _fit_two(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(per_request, per_token) through two runs' (requests, tokens, CPU s), clipped at 0."""
+    (r1, t1, c1), (r2, t2, c2) = points
+    per_token = max(0.0, (c2 / r2 - c1 / r1) / (t2 / r2 - t1 / r1))
+    per_request = max(0.0, sum(c - per_token * t for _, t, c in points)
+                      / sum(r for r, _, _ in points))
+    return per_request, per_token
+
+
+def _measure_server(extra_args: list[str]) -> list[dict]:
+    """One server: warm-up, then each calibration workload; CPU s of front and client each."""
+    from benchmarks import sim_validation as sv
+    from deepinfer.bench.serve_client import ClientConfig, run_benchmark
+    from deepinfer.bench.workloads import WorkloadConfig, build_workload
+
+    port = sv.free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="sim-calibration-serve-", suffix=".log")
+    proc = subprocess.Popen(sv.DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
+                                            "--num-kv-blocks", str(sv.NUM_KV_BLOCKS),
+                                            *extra_args],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    runs = []
+    try:
+        sv.wait_ready(proc, port, log)
+        config = ClientConfig(base_url=f"http://127.0.0.1:{port}", show_progress=False)
+        warm = build_workload(WorkloadConfig(kind="random", num_prompts=4, input_len=INPUT_LEN,
+                                             output_len=16, seed=12345))
+        asyncio.run(run_benchmark(config, warm.requests))
+        for output_len in OUTPUT_LENS:
+            workload = build_workload(WorkloadConfig(
+                kind="random", num_prompts=NUM_REQUESTS, input_len=INPUT_LEN,
+                output_len=output_len, request_rate=RATE, seed=777 + output_len))
+            before = sv.process_cpu_seconds(proc.pid)
+            run = asyncio.run(run_benchmark(config, workload.requests))
+            after = sv.process_cpu_seconds(proc.pid)
+            failed = [r.error for r in run.results if not r.success]
+            if failed:
+                raise RuntimeError(f"calibration run failed: {failed[0]}")
+            runs.append({"requests": NUM_REQUESTS,
+                         "tokens": sum(r.output_len for r in workload.requests),
+                         "front_cpu_s": after["front"] - before["front"],
+                         "client_cpu_s": after["client"] - before["client"],
+                         "load_average": os.getloadavg()[0]})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return runs
+
+
+def costs_from_runs(colocated: list[dict], pd: list[dict]) -> dict:
+    """Per shape, the front's and client's costs from its two calibration runs."""
+    result = {}
+    for shape, runs in (("colocated", colocated), ("pd", pd)):
+        result[shape] = {}
+        for role in ("front", "client"):
+            per_request, per_token = _fit_two(
+                [(r["requests"], r["tokens"], r[f"{role}_cpu_s"]) for r in runs])
+            result[shape][f"{role}_cpu"] = {"per_request_s": per_request,
+                                            "per_token_s": per_token}
+    # The P/D front's extra per request is its handoff: charged at the handoff, not arrival.
+    pd_front = result["pd"]["front_cpu"]
+    per_request = min(pd_front["per_request_s"],
+                      result["colocated"]["front_cpu"]["per_request_s"])
+    pd_front["per_handoff_s"] = pd_front["per_request_s"] - per_request
+    pd_front["per_request_s"] = per_request
+    return result
+
+
+def calibrate() -> dict:
+    """Run the calibration workloads (colocated, then P/D) and fit the costs."""
+    store_dir = tempfile.mkdtemp(prefix="sim-calibration-store-")
+    print("calibrating the front's and client's CPU (colocated, then P=2/D=2) ...", flush=True)
+    try:
+        colocated = _measure_server([])
+        pd = _measure_server(["--prefill-workers", "2", "--decode-workers", "2",
+                              "--kv-store", f"fs://{store_dir}"])
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    result = {**costs_from_runs(colocated, pd), "runs": {"colocated": colocated, "pd": pd},
+              "workload": f"random {NUM_REQUESTS} x {INPUT_LEN} in / {OUTPUT_LENS} out, "
+                          f"{RATE:g} req/s"}
+    for shape in ("colocated", "pd"):
+        print(f"  {shape}: " + "; ".join(
+            f"{role} " + " + ".join(f"{1e3 * v:.3f} ms/{k[4:-2]}" for k, v in c.items())
+            for role, c in result[shape].items()), flush=True)
+    return result
+
+
+def configure(choice: str | None, resimulate_only: bool) -> dict | None:
+    """`sim_validation --host-cpu`: `measure` (the default with engine runs) calibrates now,
+    `off` (the default with --measured: no engine runs) models no other CPU consumers, a
+    path loads an earlier calibration. Returns the calibration in use (None: none)."""
+    choice = choice or ("off" if resimulate_only else "measure")
+    if choice == "off":
+        use_calibration(None, enabled=False)
+        return None
+    if choice == "measure":
+        calibration = calibrate()
+    else:
+        with open(choice) as f:
+            calibration = json.load(f)
+    use_calibration(calibration)
+    return calibration
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write the calibration JSON")
+    args = parser.parse_args(argv)
+    result = calibrate()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
