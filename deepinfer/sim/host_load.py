@@ -1,4 +1,4 @@
-"""CPU on the host besides the workers' steps: the front door, the bench client, KV transfers. Pure.
+"""CPU on the host besides the workers' steps: front door, bench client, KV transfers. Pure.
 
 On a host whose workers share CPU cores (`host: {cores: N}`), the workers are not the only
 busy threads: the front door (`deepinfer serve`'s main process: routing, handoffs,
