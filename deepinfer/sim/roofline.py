@@ -16,6 +16,12 @@ the routers and EPLB aim for). Per GPU and step:
                      plus `step_overhead_s`
 
 Prefill chunks (x > 1) use the expanded-MLA attention FLOPs, decodes the absorbed form.
+
+With `expert_load` set (sim.expert_load), each worker (`for_worker`) draws its steps' expert
+loads and runs the engine's EPLB planner on them; the routed-expert GEMM FLOPs and the
+all-to-all bytes of a step scale by its imbalance (max / mean rank load, mean over layers): an
+EP step is as slow as its busiest rank. A rebalance adds its weight moves to the step once.
+Without it every rank carries the mean load (factor 1, the formula above unchanged).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 
 from deepinfer.core.cost_model import ChunkShape
 from deepinfer.sim.analytic_model import AnalyticModel
+from deepinfer.sim.expert_load import EPShape, ExpertLoadSpec, ExpertLoadTracker
 from deepinfer.sim.hardware import AcceleratorSpec
 
 
@@ -43,8 +50,10 @@ class RooflineConfig:
     num_redundant_experts: int = 0  # EPLB replicas over the EP group (per layer)
     node_dedup: bool = False  # a token crosses the NIC once per node (DeepEP normal kernels,
     # prefill) instead of once per remote expert (low-latency kernels, decode)
+    expert_load: ExpertLoadSpec | None = None  # None: every EP rank carries the mean load
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_load", ExpertLoadSpec.from_value(self.expert_load))
         if self.num_accelerators < 1 or (self.ep_size is not None and self.ep_size < 1):
             raise ValueError("num_accelerators and ep_size must be >= 1")
         for name in ("mfu", "attn_mfu", "bw_eff", "net_eff"):
@@ -58,19 +67,45 @@ class RooflineStepTime:
     """`step_time_s(chunks)` for one worker; see the module docstring for the formula."""
 
     def __init__(self, model: AnalyticModel, accel: AcceleratorSpec,
-                 config: RooflineConfig | None = None) -> None:
+                 config: RooflineConfig | None = None,
+                 expert_load: ExpertLoadTracker | None = None) -> None:
         self.model = model
         self.accel = accel
         self.config = config or RooflineConfig()
         self.kv_bytes_per_token = model.kv_bytes_per_token
         self.publish_s_per_byte = 0.0  # store writes overlap on accelerators (DMA, not cores)
+        self.expert_load = expert_load  # this worker's loads and placement (None: balanced)
+
+    def for_worker(self, index: int) -> "RooflineStepTime":
+        """The step model of one worker of a pool: with `expert_load`, its own loads, window
+        and placement (the pool's model stays balanced: the cost model fitted to it for
+        budgets and routing, as the engine's cost model, knows nothing of expert placement)."""
+        spec = self.config.expert_load
+        if spec is None or not self.model.is_moe:
+            return self
+        return RooflineStepTime(self.model, self.accel, self.config,
+                                ExpertLoadTracker(spec, self.ep_shape(), index))
+
+    def ep_shape(self) -> EPShape:
+        m, a, c = self.model, self.accel, self.config
+        return EPShape(num_layers=m.num_moe_layers, num_experts=m.num_experts,
+                       top_k=m.num_experts_per_tok,
+                       num_physical=m.num_experts + c.num_redundant_experts,
+                       num_ranks=self.ep_size, ranks_per_node=a.gpus_per_node,
+                       expert_bytes=m.expert_bytes_per_layer,
+                       nvlink_bytes_per_s=a.nvlink_bytes_per_s * c.net_eff,
+                       network_bytes_per_s=a.network_bytes_per_s * c.net_eff)
+
+    def expert_load_stats(self) -> dict[str, float] | None:
+        return None if self.expert_load is None else self.expert_load.stats()
 
     @property
     def ep_size(self) -> int:
         return self.config.ep_size or self.config.num_accelerators
 
-    def breakdown(self, chunks: Sequence[ChunkShape]) -> dict[str, float]:
-        """Seconds of each term of one step (per GPU)."""
+    def breakdown(self, chunks: Sequence[ChunkShape], imbalance: float = 1.0) -> dict[str, float]:
+        """Seconds of each term of one step (per GPU of the busiest rank when `imbalance`,
+        its max / mean routed load, is above 1)."""
         m, a, c = self.model, self.accel, self.config
         g = c.num_accelerators
         tokens = sum(ch.num_new_tokens for ch in chunks) / g
@@ -80,6 +115,9 @@ class RooflineStepTime:
         kv_tokens = sum(ch.context_len + ch.num_new_tokens for ch in chunks) / g
         flops = a.flops(m.compute_dtype)
         linear_compute = 2.0 * m.active_params * tokens / (flops * c.mfu)
+        # The busiest rank's extra routed-expert GEMMs (+ 0.0 when balanced: bit-equal).
+        routed = m.num_moe_layers * m.num_experts_per_tok * m.expert_params
+        linear_compute += (imbalance - 1.0) * 2.0 * routed * tokens / (flops * c.mfu)
         weights = m.dense_weight_bytes + self._local_expert_bytes(tokens)
         linear_memory = weights / (a.hbm_bytes_per_s * c.bw_eff)
         attn_flops = (m.prefill_attn_flops_per_pair * prefill_pairs
@@ -88,13 +126,20 @@ class RooflineStepTime:
         attn_memory = m.kv_bytes_per_token * kv_tokens / (a.hbm_bytes_per_s * c.bw_eff)
         return {"linear": max(linear_compute, linear_memory),
                 "attention": max(attn_compute, attn_memory),
-                "all_to_all": self._all_to_all_s(tokens),
+                "all_to_all": self._all_to_all_s(tokens, imbalance),
                 "overhead": c.step_overhead_s}
 
     def step_time_s(self, chunks: Sequence[ChunkShape]) -> float:
         if not chunks:
             return 0.0
-        t = self.breakdown(chunks)
+        if self.expert_load is None:
+            t = self.breakdown(chunks)
+        else:
+            group_tokens = sum(ch.num_new_tokens for ch in chunks) / \
+                self.config.num_accelerators * self.ep_size
+            factor, moves_s = self.expert_load.step(group_tokens)
+            t = self.breakdown(chunks, factor)
+            t["overhead"] += moves_s
         compute = t["linear"] + t["attention"]
         if self.config.overlap_comm:
             return max(compute, t["all_to_all"]) + t["overhead"]
@@ -110,7 +155,7 @@ class RooflineStepTime:
         touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** group_tokens
         return slots * touched * m.expert_bytes_per_layer * m.num_moe_layers
 
-    def _all_to_all_s(self, tokens_per_gpu: float) -> float:
+    def _all_to_all_s(self, tokens_per_gpu: float, imbalance: float = 1.0) -> float:
         m, a, c = self.model, self.accel, self.config
         if not m.is_moe or self.ep_size <= 1 or tokens_per_gpu <= 0:
             return 0.0
@@ -128,7 +173,8 @@ class RooflineStepTime:
         else:
             remote_sends = k * max(0, self.ep_size - a.gpus_per_node) / self.ep_size
             nvlink_sends = k * min(self.ep_size, a.gpus_per_node) / self.ep_size
-        unit = tokens_per_gpu * m.hidden_size * per_value
+        # The busiest rank receives (and returns) `imbalance` times the mean rank's pairs.
+        unit = tokens_per_gpu * m.hidden_size * per_value * imbalance
         # NVLink and the NIC carry their shares at the same time (DeepEP-style).
         seconds = max(unit * remote_sends / (a.network_bytes_per_s * c.net_eff),
                       unit * nvlink_sends / (a.nvlink_bytes_per_s * c.net_eff))

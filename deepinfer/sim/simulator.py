@@ -73,8 +73,10 @@ class ClusterSimulator:
             self.step_time_cv[pool.role] = (noise.step_cv_for(cost_model.metadata)
                                             if noise is not None else 0.0)
             for i in range(pool.num_workers):
+                # A roofline worker with expert_load keeps its own loads and EPLB placement.
+                own_model = getattr(step_model, "for_worker", lambda _: step_model)(i)
                 worker = SimWorker(f"{pool.role}-{i}", pool.role, pool.engine,
-                                   build_scheduler(pool.engine, cost_model), step_model)
+                                   build_scheduler(pool.engine, cost_model), own_model)
                 if self.step_time_cv[pool.role]:
                     self._step_noise[worker.worker_id] = StepNoise(
                         self.step_time_cv[pool.role], noise.seed, worker.worker_id)
