@@ -155,3 +155,23 @@ def test_speculation_reports_what_plain_decoding_does(mode, params):
         assert got.top_token_ids == want.top_token_ids
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
         torch.testing.assert_close(torch.tensor(got.top_logprobs), torch.tensor(want.top_logprobs))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_the_flag_reaches_the_engine_config(command):
+    from deepinfer.cli.engine_args import engine_config_from_args
+    from deepinfer.cli.main import build_parser
+    extra = ["hi"] if command == "generate" else []
+    args = build_parser().parse_args([command, *extra])
+    assert engine_config_from_args(args).logprobs_mode == "raw_logprobs"
+    args = build_parser().parse_args([command, *extra, "--logprobs-mode", "processed_logits"])
+    assert engine_config_from_args(args).logprobs_mode == "processed_logits"
+    with pytest.raises(SystemExit) as e:  # one line, exit 2
+        build_parser().parse_args([command, *extra, "--logprobs-mode", "processed"])
+    assert e.value.code == 2
+
+
+def test_engine_config_refuses_an_unknown_mode():
+    from deepinfer.engine.engine_config import EngineConfig
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        EngineConfig(logprobs_mode="raw")
