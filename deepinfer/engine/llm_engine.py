@@ -248,8 +248,9 @@ class LLMEngine:
         if params.max_tokens is None:
             return dataclasses.replace(params, max_tokens=room)
         if params.max_tokens > room:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds this model's maximum context length of {self.max_model_len}")
+            raise InvalidParameter("max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
+                                   f"({params.max_tokens}) exceeds this model's maximum "
+                                   f"context length of {self.max_model_len}")
         return params
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -314,3 +314,14 @@ def test_excluded_tokens_logprobs_are_valid_json(completion, chat):
     for body in (completion._logprobs(lps, 0).model_dump(), chat._logprobs(lps).model_dump()):
         text = json.dumps(body, allow_nan=False)  # as the JSON response encodes it
         assert "-9999.0" in text
+
+
+def test_engine_context_check_names_max_tokens():
+    """The engine's own prompt + max_tokens check (a worker whose context is shorter than the
+    front's) names max_tokens, not the prompt."""
+    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    engine = SimpleNamespace(max_model_len=10)
+    with pytest.raises(InvalidParameter) as e:
+        LLMEngine._resolve_max_tokens(engine, SamplingParams(max_tokens=8), 5)
+    assert e.value.param == "max_tokens" and "maximum context length of 10" in str(e.value)
