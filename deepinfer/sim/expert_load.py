@@ -7,9 +7,10 @@ The load model (stated as data, `cost: {expert_load: {...}}` in a cluster file):
     x[l, ·] at the start   exponent · -log(rank)  over a seeded random permutation per layer
                            (Zipf, as benchmarks/eplb_bench.py biases its router: hot experts
                            do not sit on one rank by construction); uniform: all 0
-    drift                  every step each x[l, e] takes a Gaussian step, sigma
-                           drift_per_window / sqrt(window_size) (a random walk of sigma
-                           drift_per_window over one EPLB window)
+    drift                  after every step each x[l, e] takes a Gaussian step of sigma
+                           drift_per_minute · sqrt(step seconds / 60): a random walk in the
+                           worker's busy time (the traffic mix changes with time, not with
+                           the EPLB settings)
     a step's pairs         multinomial: round(group tokens · top_k) (token, expert) pairs per
                            layer, so small decode batches carry their sampling noise
 
@@ -27,6 +28,7 @@ layer's all-to-all waits for its slowest rank), i.e. 1 / balancedness.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +47,7 @@ MIN_BALANCEDNESS_GAIN = 0.01  # as moe.rebalancer (which imports torch): a layer
 class ExpertLoadSpec:
     distribution: str = "zipf"
     exponent: float = 0.8  # zipf: share of the r-th hottest expert ∝ r^-exponent
-    drift_per_window: float = 0.1  # sigma of each expert's log-share walk over window_size steps
+    drift_per_minute: float = 0.1  # sigma of each expert's log-share walk per busy minute
     seed: int = 0
     eplb: bool = True  # rebalance in the loop (False: the initial placement stays)
     window_size: int = EPLBConfig.window_size  # steps of load history the planner sees
@@ -59,8 +61,8 @@ class ExpertLoadSpec:
             raise ValueError(f"expert_load.distribution must be one of {DISTRIBUTIONS}")
         if self.initial not in INITIAL:
             raise ValueError(f"expert_load.initial must be one of {INITIAL}")
-        if self.exponent < 0 or self.drift_per_window < 0:
-            raise ValueError("expert_load.exponent and drift_per_window must be >= 0")
+        if self.exponent < 0 or self.drift_per_minute < 0:
+            raise ValueError("expert_load.exponent and drift_per_minute must be >= 0")
         EPLBConfig(window_size=self.window_size, step_interval=self.step_interval)  # same checks
 
     @classmethod
@@ -103,8 +105,32 @@ def imbalance(placement: ExpertPlacement, loads: np.ndarray) -> float:
     return float(np.mean(1.0 / balancedness(placement.rank_loads(loads))))
 
 
+def initial_log_shares(spec: ExpertLoadSpec, num_layers: int, num_experts: int) -> np.ndarray:
+    """[layers, experts] log-shares at the start (the same for every worker of a seed)."""
+    if spec.distribution == "uniform":
+        return np.zeros((num_layers, num_experts))
+    base = np.random.default_rng([spec.seed, 0])
+    ranked = -spec.exponent * np.log(np.arange(1, num_experts + 1))
+    return np.stack([ranked[base.permutation(num_experts)] for _ in range(num_layers)])
+
+
+def shares_of(log_share: np.ndarray) -> np.ndarray:
+    w = np.exp(log_share - log_share.max(-1, keepdims=True))
+    return w / w.sum(-1, keepdims=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _initial_placement(spec: ExpertLoadSpec, shape: EPShape) -> ExpertPlacement:
+    """Shared by a pool's workers (read-only: a rebalance replaces it, never edits it)."""
+    if spec.initial == "identity":
+        return identity_placement(shape)
+    expected = shares_of(initial_log_shares(spec, shape.num_layers, shape.num_experts))
+    return plan_placement(expected * 1e6, shape.num_physical, shape.num_ranks)
+
+
 class ExpertLoadTracker:
-    """One EP worker's expert loads, window and placement; `step()` once per simulated step."""
+    """One EP worker's expert loads, window and placement: `step()` once per simulated step,
+    then `drift(its seconds)`."""
 
     def __init__(self, spec: ExpertLoadSpec, shape: EPShape, worker_index: int = 0) -> None:
         if shape.num_physical % shape.num_ranks:
@@ -112,19 +138,9 @@ class ExpertLoadTracker:
                              f"{shape.num_ranks} EP ranks")
         self.spec, self.shape = spec, shape
         layers, experts = shape.num_layers, shape.num_experts
-        base = np.random.default_rng([spec.seed, 0])  # the model's hot experts: every worker's
         self.rng = np.random.default_rng([spec.seed, 1 + worker_index])  # drift and sampling
-        if spec.distribution == "zipf":
-            ranked = -spec.exponent * np.log(np.arange(1, experts + 1))
-            self.log_share = np.stack([ranked[base.permutation(experts)] for _ in range(layers)])
-        else:
-            self.log_share = np.zeros((layers, experts))
-        self.drift_sigma = spec.drift_per_window / np.sqrt(spec.window_size)
-        if spec.initial == "planned":
-            self.placement = plan_placement(self.shares() * 1e6, shape.num_physical,
-                                            shape.num_ranks)
-        else:
-            self.placement = identity_placement(shape)
+        self.log_share = initial_log_shares(spec, layers, experts)
+        self.placement = _initial_placement(spec, shape)
         # The planner's input, as moe.load_recorder's logical window (ring of the last steps;
         # np.zeros pages in only the rows a run writes).
         self._window = np.zeros((spec.window_size, layers, experts), dtype=np.int32)
@@ -139,8 +155,7 @@ class ExpertLoadTracker:
 
     def shares(self) -> np.ndarray:
         """[layers, experts] expected share of each layer's pairs now."""
-        w = np.exp(self.log_share - self.log_share.max(-1, keepdims=True))
-        return w / w.sum(-1, keepdims=True)
+        return shares_of(self.log_share)
 
     def step(self, group_tokens: float) -> tuple[float, float]:
         """(imbalance factor of this step, seconds of expert moves this step triggers)."""
@@ -155,12 +170,16 @@ class ExpertLoadTracker:
         self._balancedness_sum += float(np.mean(layer_b))
         self._weighted_pairs += pairs
         self._weighted_imbalance += pairs * factor
-        if self.drift_sigma > 0:
-            self.log_share += self.rng.normal(0.0, self.drift_sigma, self.log_share.shape)
         moves_s = 0.0
         if self.spec.eplb and self.num_steps % self.spec.step_interval == 0:
             moves_s = self.rebalance()
         return factor, moves_s
+
+    def drift(self, seconds: float) -> None:
+        """The loads move on by `seconds` of this worker's busy time."""
+        sigma = self.spec.drift_per_minute * np.sqrt(max(0.0, seconds) / 60.0)
+        if sigma > 0:
+            self.log_share += self.rng.normal(0.0, sigma, self.log_share.shape)
 
     def rebalance(self) -> float:
         """Plan from the window with the engine's planner; seconds the weight moves take."""

@@ -133,13 +133,17 @@ class RooflineStepTime:
         if not chunks:
             return 0.0
         if self.expert_load is None:
-            t = self.breakdown(chunks)
-        else:
-            group_tokens = sum(ch.num_new_tokens for ch in chunks) / \
-                self.config.num_accelerators * self.ep_size
-            factor, moves_s = self.expert_load.step(group_tokens)
-            t = self.breakdown(chunks, factor)
-            t["overhead"] += moves_s
+            return self._combine(self.breakdown(chunks))
+        group_tokens = sum(ch.num_new_tokens for ch in chunks) / \
+            self.config.num_accelerators * self.ep_size
+        factor, moves_s = self.expert_load.step(group_tokens)
+        t = self.breakdown(chunks, factor)
+        t["overhead"] += moves_s
+        seconds = self._combine(t)
+        self.expert_load.drift(seconds)
+        return seconds
+
+    def _combine(self, t: dict[str, float]) -> float:
         compute = t["linear"] + t["attention"]
         if self.config.overlap_comm:
             return max(compute, t["all_to_all"]) + t["overhead"]

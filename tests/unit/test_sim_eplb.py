@@ -18,7 +18,7 @@ PREFILL = [ChunkShape(0, 16384)] * 8  # 16k tokens per GPU
 
 
 def _worker(redundant: int, index: int = 0, model=SMALL, **load) -> RooflineStepTime:
-    spec = {"distribution": "zipf", "exponent": 0.8, "drift_per_window": 0.1, "seed": 0,
+    spec = {"distribution": "zipf", "exponent": 0.8, "drift_per_minute": 0.1, "seed": 0,
             "window_size": 4, "step_interval": 4, **load}
     config = RooflineConfig(num_accelerators=8, ep_size=32, num_redundant_experts=redundant,
                             expert_load=spec)
@@ -114,7 +114,7 @@ def test_initial_planned_placement_beats_identity():
 
 
 def test_uniform_load_is_nearly_balanced_at_large_batches():
-    worker = _worker(0, distribution="uniform", drift_per_window=0.0)
+    worker = _worker(0, distribution="uniform", drift_per_minute=0.0)
     worker.step_time_s(PREFILL)
     assert 1.0 < worker.expert_load_stats()["imbalance_mean"] < 1.05  # sampling noise only
 
