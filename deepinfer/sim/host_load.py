@@ -80,7 +80,7 @@ def host_cpu_from_dict(host: dict) -> HostCpuSpec | None:
         if unknown:
             raise ValueError(f"host.{key}: unknown keys {sorted(unknown)}; "
                              f"allowed: {sorted(allowed)}")
-        return CpuCost(**{k: float(v) for k, v in data.items()})
+        return CpuCost(**{k: _seconds(f"host.{key}.{k}", v) for k, v in data.items()})
 
     base = {"per_request_s", "per_token_s"}
     kv = host.get("kv_transfer_cpu_s_per_gb") or {}
@@ -88,8 +88,16 @@ def host_cpu_from_dict(host: dict) -> HostCpuSpec | None:
         raise ValueError("host.kv_transfer_cpu_s_per_gb must be {sender: s, receiver: s}")
     return HostCpuSpec(front=cost("front_cpu", base | {"per_handoff_s"}),
                        client=cost("client_cpu", base),
-                       kv_send_s_per_gb=float(kv.get("sender", 0.0)),
-                       kv_recv_s_per_gb=float(kv.get("receiver", 0.0)))
+                       kv_send_s_per_gb=_seconds("host.kv_transfer_cpu_s_per_gb.sender",
+                                                 kv.get("sender", 0.0)),
+                       kv_recv_s_per_gb=_seconds("host.kv_transfer_cpu_s_per_gb.receiver",
+                                                 kv.get("receiver", 0.0)))
+
+
+def _seconds(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number of seconds, got {value!r}")
+    return float(value)
 
 
 @dataclass

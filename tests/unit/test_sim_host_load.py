@@ -147,6 +147,7 @@ def test_loaded_run_finishes_everything_with_invariants_checked():
     ({"cores": 2, "front_cpu": {"per_token_s": -1.0}}, "per_token_s"),
     ({"cores": 2, "kv_transfer_cpu_s_per_gb": 0.5}, "sender"),
     ({"cores": 2, "kv_transfer_cpu_s_per_gb": {"sender": -1}}, "kv_transfer_cpu_s_per_gb"),
+    ({"cores": 2, "client_cpu": {"per_token_s": "fast"}}, "client_cpu.per_token_s must be"),
 ])
 def test_bad_host_cpu_keys_are_clear_errors(host, match):
     with pytest.raises(ValueError, match=match):
