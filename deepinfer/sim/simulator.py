@@ -26,8 +26,10 @@ processes on the host (SMT, caches, memory bandwidth; beyond the table: its last
 N / threads). `at-start`: a step's speed is fixed when it starts (cores / threads busy then)
 and never changes; it favours whichever step started first, kept to compare with
 measurements. A step's work is its step-time model's answer
-(model time + the engine loop's host work) plus blocking store loads. Time is simulated;
-nothing reads the clock.
+(model time + the engine loop's host work) plus blocking store loads. The host's other CPU
+consumers (front door, client, both ends of a KV transfer: `sim.host_load`, when the cluster's
+`host` section gives their costs) count as busy threads in the same sharing. Time is
+simulated; nothing reads the clock.
 
 Noise (`cluster.noise`, `sim.perturbation`): each step's time (the step-time model's answer;
 not store loads) × a seeded mean-1 factor per worker, and each arrival a seeded lag late;
