@@ -78,22 +78,31 @@ def test_resimulating_earlier_runs_compares_with_their_mean(tmp_path, capsys):
     sv = load_script()
     profile = tmp_path / "profile.json"  # its CPU-clock refit is written beside it
     shutil.copy(RESULTS / "sim_validation_profile.json", profile)
-    earlier = str(RESULTS / "sim_validation.json")
-    out = tmp_path / "out.json"
-    sv.main(["--profile", str(profile), "--measured", f"{earlier},{earlier}", "--cases", "w1",
-             "--sim-samples", "3", "--step-time-cv", "0.03", "--out", str(out)])
-    with open(earlier) as f:
+    with open(RESULTS / "sim_validation.json") as f:
         stored = json.load(f)["cases"]["w1"]["measured_summary"]
+    faster = {**stored, "output_throughput": 1.1 * stored["output_throughput"]}
+    # an output from before repeats (one run per case) and one that kept two runs
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"cases": {"w1": {"measured_summary": stored}}}))
+    new.write_text(json.dumps({"cases": {"w1": {"measured_summary": stored, "measured_runs": [
+        {"summary": stored, "send_lag_ms": 2.0}, {"summary": faster, "send_lag_ms": 4.0}]}}}))
+    out = tmp_path / "out.json"
+    sv.main(["--profile", str(profile), "--measured", f"{old},{new}", "--cases", "w1",
+             "--sim-samples", "3", "--step-time-cv", "0.03", "--out", str(out)])
     case = json.loads(out.read_text())["cases"]["w1"]
-    assert case["num_measured_runs"] == 2 and case["num_sim_samples"] == 3
-    assert [r["summary"] for r in case["measured_runs"]] == [stored, stored]
+    assert case["num_measured_runs"] == 3 and case["num_sim_samples"] == 3
+    assert [r["summary"] for r in case["measured_runs"]] == [stored, stored, faster]
     thr = case["comparison"]["output_throughput"]
-    assert thr["measured_mean"] == pytest.approx(stored["output_throughput"])
+    assert thr["measured_mean"] == pytest.approx(stored["output_throughput"] * 3.1 / 3)
+    assert thr["measured_max"] == pytest.approx(faster["output_throughput"])
     assert thr["simulated_band"]["n"] == 3 and thr["simulated_band"]["lo"] < thr[
         "simulated_band"]["hi"]
-    assert case["simulated_samples"]["step_time_cv"] == {"colocated": 0.03}
+    samples = case["simulated_samples"]
+    assert samples["step_time_cv"] == {"colocated": 0.03}
+    assert samples["arrival_jitter_ms"] == pytest.approx(3.0)  # the runs' mean send lag
     assert case["errors"]["output_throughput"]["measured"] == pytest.approx(
-        stored["output_throughput"])  # the single-run keys as before
+        stored["output_throughput"])  # the single-run keys as before: the first run
+    assert len(case["errors_per_run"]) == 3
     assert case["ttft_p50_position"]["simulated"]["num_steps"] >= 4
     printed = capsys.readouterr().out
     assert "error of mean" in printed and "TTFT p50 simulated" in printed
