@@ -57,6 +57,17 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_samples(payload: dict, samples: dict, measured: dict | None) -> None:
+    """Print the samples' bands (beside the measured run's values with --compare) and add
+    them to the JSON as `samples`."""
+    from deepinfer.bench.latency_stats import finite_json
+    from deepinfer.sim.sampling import compare_bands, format_band_comparison, format_bands
+    payload["samples"] = finite_json(samples)
+    print(format_bands(samples))
+    if measured is not None:
+        print(format_band_comparison(compare_bands(samples, measured["summary"])))
+
+
 def run(args: argparse.Namespace) -> int:
     from deepinfer.bench.latency_stats import format_summary
     from deepinfer.cli.main import CLIError
@@ -100,13 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         print(format_comparison(compare_runs(payload, measured)))
     if samples is not None:
-        from deepinfer.bench.latency_stats import finite_json
-        from deepinfer.sim.sampling import (compare_bands, format_band_comparison,
-                                            format_bands)
-        payload["samples"] = finite_json(samples)
-        print(format_bands(samples))
-        if measured is not None:
-            print(format_band_comparison(compare_bands(samples, measured["summary"])))
+        add_samples(payload, samples, measured)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(payload, f, indent=1)
