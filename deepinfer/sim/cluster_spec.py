@@ -4,6 +4,9 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
 
     cost:    {profile: benchmarks/results/cost_profile_smollm2_bf16_cpu_1thread.json}
     # or     {accelerator: H800, model: deepseek-v3, num_accelerators: 8, ep_size: 32, mfu: 0.6}
+    #          roofline + expert_load: {distribution: zipf, exponent: 0.8, drift_per_minute: 0.1,
+    #          seed: 0, window_size: 1000, step_interval: 3000, initial: identity}: per-rank
+    #          expert imbalance and the engine's EPLB planner in the loop (sim.expert_load)
     engine:  {num_kv_blocks: 8192, block_size: 16, max_num_batched_tokens: 2048}
     pools:
       prefill: {workers: 2}
