@@ -67,10 +67,30 @@ def test_raw_logprobs_are_the_models(raw_run):
     assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs), abs=1e-3)
 
 
-def test_processed_logprobs_apply_the_penalties(make_engine_llm, raw_run):
-    prompt_ids, params, raw_choice, ref = raw_run
-    llm = make_engine_llm(logprobs_mode="processed_logprobs")
-    c = generate_checked(llm, [{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
+@pytest.fixture(scope="module")
+def processed_llm(make_engine_llm):
+    return make_engine_llm(logprobs_mode="processed_logprobs")
+
+
+@pytest.fixture(scope="module")
+def processed_run(processed_llm, raw_run):
+    prompt_ids, params, _, _ = raw_run
+    return generate_checked(processed_llm, [{"prompt_token_ids": prompt_ids}],
+                            params)[0].outputs[0]
+
+
+@pytest.fixture(scope="module")
+def spec_llms(make_engine_llm):
+    """One ngram-speculating engine per mode."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    return {mode: make_engine_llm(logprobs_mode=mode, speculative_config=spec)
+            for mode in ("raw_logprobs", "processed_logprobs")}
+
+
+def test_processed_logprobs_apply_the_penalties(raw_run, processed_run):
+    _, params, raw_choice, ref = raw_run
+    c = processed_run
     assert list(c.token_ids) == list(raw_choice.token_ids)  # the mode never changes tokens
     want = processed_reference(ref.logprobs, params, list(c.token_ids))
     check(c.logprobs, c.token_ids, want)
@@ -79,14 +99,11 @@ def test_processed_logprobs_apply_the_penalties(make_engine_llm, raw_run):
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_speculation_reports_the_plain_logprobs(make_engine_llm, raw_run, mode):
-    prompt_ids, params, _, _ = raw_run
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}
-    prompt = [{"prompt_token_ids": prompt_ids}]
-    plain = generate_checked(make_engine_llm(logprobs_mode=mode), prompt, params)[0].outputs[0]
-    llm = make_engine_llm(logprobs_mode=mode, speculative_config=spec)
-    got = generate_checked(llm, prompt, params)[0].outputs[0]
+def test_speculation_reports_the_plain_logprobs(spec_llms, raw_run, processed_run, mode):
+    prompt_ids, params, raw_choice, _ = raw_run
+    plain = raw_choice if mode == "raw_logprobs" else processed_run
+    llm = spec_llms[mode]
+    got = generate_checked(llm, [{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
     assert list(got.token_ids) == list(plain.token_ids)
     for a, b in zip(got.logprobs, plain.logprobs):
@@ -94,16 +111,15 @@ def test_speculation_reports_the_plain_logprobs(make_engine_llm, raw_run, mode):
         assert abs(a.logprob - b.logprob) < 1e-4
 
 
-def test_disaggregated_decode_reports_in_its_mode(make_engine_llm, engine_base_llm, raw_run):
+def test_disaggregated_decode_reports_in_its_mode(processed_llm, engine_base_llm, raw_run,
+                                                  processed_run):
     """The decode worker's engine takes the mode from its EngineConfig: after the handoff its
     logprobs are the plain engine's in that mode (the prefill worker's first token aside)."""
     from tests.integration.engine_checks import run_handoff
     prompt_ids, params, _, _ = raw_run
-    mode = "processed_logprobs"  # not the default: a decode side that ignored it would differ
-    plain = generate_checked(make_engine_llm(logprobs_mode=mode),
-                             [{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
-    handed, _ = run_handoff(make_engine_llm(logprobs_mode=mode).engine, engine_base_llm.engine,
-                            prompt_ids, params, logprobs_mode=mode)
+    plain = processed_run  # not the default mode: a decode side that ignored it would differ
+    handed, _ = run_handoff(processed_llm.engine, engine_base_llm.engine, prompt_ids, params,
+                            logprobs_mode="processed_logprobs")
     assert list(handed.token_ids) == list(plain.token_ids)
     assert len(handed.logprobs) == len(plain.logprobs) - 1  # the handoff sent no first logprob
     for a, b in zip(handed.logprobs, plain.logprobs[1:]):
@@ -111,7 +127,7 @@ def test_disaggregated_decode_reports_in_its_mode(make_engine_llm, engine_base_l
 
 
 def test_stop_token_ids_cut_speculated_tokens_where_plain_decoding_stops(
-        engine_base_llm, make_engine_llm, hf_reference):
+        engine_base_llm, spec_llms, hf_reference):
     """A stop token among accepted drafts ends the output there, with plain decoding's tokens,
     text, finish and stop reasons (the drafts after it are dropped)."""
     prompt = [{"prompt_token_ids": hf_reference.encode(PROMPT)}]
@@ -123,10 +139,10 @@ def test_stop_token_ids_cut_speculated_tokens_where_plain_decoding_stops(
                             stop_token_ids=[free[stop_at]])
     plain = generate_checked(engine_base_llm, prompt, params)[0].outputs[0]
     assert list(plain.token_ids) == list(free[:stop_at + 1]) and plain.finish_reason == "stop"
-    llm = make_engine_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 6,
-                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm = spec_llms["raw_logprobs"]
+    accepted = llm.engine.get_stats().spec_decode_num_accepted_tokens
     got = generate_checked(llm, prompt, params)[0].outputs[0]
-    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > accepted
     assert list(got.token_ids) == list(plain.token_ids) and got.text == plain.text
     assert (got.finish_reason, got.stop_reason) == (plain.finish_reason, plain.stop_reason)
     assert [lp.token_id for lp in got.logprobs] == list(plain.token_ids)
