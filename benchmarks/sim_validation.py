@@ -49,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_validation_calibration import configure, host_cpu_keys  # noqa: E402
+from benchmarks.sim_validation_calibration import (  # noqa: E402
+    configure, format_host_cpu, host_cpu_keys, simulated_host_cpu)
 from benchmarks.sim_validation_report import (  # noqa: E402
     compare, format_p50_position, format_repeat_rows, p50_position, repeat_rows,
     summary_from_dict)
@@ -482,6 +483,7 @@ def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, p
         "load_average": real.get("load_average"), "measured_cpu_s": real.get("cpu_s"),
         "cluster_counters": real.get("cluster_counters"),
         "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
+        "simulated_host_cpu_s": simulated_host_cpu(sim_run),
         "work_error": work_error(real["cpu_s"], sim_run) if real.get("cpu_s") else None,
         "workers": worker_breakdown(real.get("workers") or {}, sim_run),
         "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
@@ -552,6 +554,8 @@ def print_first_run_details(case: dict) -> None:
         f"{k} {v:.1f}" for k, v in case["simulated_busy_s"].items()) +
         "; work at full speed (CPU s): " + ", ".join(
         f"{k} {v:.1f}" for k, v in case["simulated_work_s"].items()), flush=True)
+    if format_host_cpu(case.get("simulated_host_cpu_s")):
+        print(format_host_cpu(case["simulated_host_cpu_s"]), flush=True)
     for worker_id, row in case["workers"].items():
         print_worker(worker_id, row)
     if case["work_error"] is not None:

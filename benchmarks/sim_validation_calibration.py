@@ -65,6 +65,23 @@ def host_cpu_keys(profile: str, pools: dict) -> dict:
     return keys
 
 
+def simulated_host_cpu(sim_run) -> dict | None:
+    """CPU seconds the simulated front, client and KV-transfer ends were given (None: the
+    cluster modelled none): set beside the measured front / client CPU seconds."""
+    host_load = sim_run.simulator.host_load
+    if host_load is None:
+        return None
+    work = host_load.work_s()
+    return {"front": work.get("front", 0.0), "client": work.get("client", 0.0),
+            "kv_transfers": sum(v for k, v in work.items() if k.startswith("kv-"))}
+
+
+def format_host_cpu(simulated: dict | None) -> str | None:
+    if simulated is None:
+        return None
+    return "  simulated other CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in simulated.items())
+
+
 def _fit_two(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     """(per_request, per_token) through two runs' (requests, tokens, CPU s), clipped at 0."""
     (r1, t1, c1), (r2, t2, c2) = points

@@ -220,3 +220,16 @@ def test_calibration_splits_the_pd_fronts_extra_per_request_into_its_handoff():
         {"per_request_s": 3e-3, "per_token_s": 2.5e-4, "per_handoff_s": 4e-3})
     assert costs["pd"]["client_cpu"] == pytest.approx(
         {"per_request_s": 3e-3, "per_token_s": 1e-4})
+
+
+def test_the_report_sets_the_simulated_other_cpu_beside_the_measured():
+    from types import SimpleNamespace
+    calib = _calibration_module()
+    sim = _sim(PD, {"cores": 2, "front_cpu": {"per_request_s": 1e-3},
+                    "kv_transfer_cpu_s_per_gb": {"sender": 1.0, "receiver": 0.5}})
+    sim.run([BenchRequest(IDS, 2, 0.0)])
+    out = calib.simulated_host_cpu(SimpleNamespace(simulator=sim))
+    assert out == pytest.approx({"front": 1e-3, "client": 0.0,
+                                 "kv_transfers": 1.5 * sim.transfer_bytes / 1e9})
+    assert calib.format_host_cpu(out).startswith("  simulated other CPU s: front 0.00")
+    assert calib.simulated_host_cpu(SimpleNamespace(simulator=_sim(PD, None))) is None
