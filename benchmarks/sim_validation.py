@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -106,8 +107,10 @@ def send_lag_ms(results, requests) -> float | None:
     return sum(lags) / len(lags) if lags else None
 
 
-def serve_and_bench(extra_args: list[str], workload) -> dict:
-    """Start `deepinfer serve`, replay the workload with the bench client, stop the server."""
+@contextlib.contextmanager
+def warm_server(extra_args: list[str]):
+    """A `deepinfer serve` (one thread per engine process) ready and warmed up: yields
+    (process, port, client config); stopped on exit."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sim-validation-serve-", suffix=".log")
     proc = subprocess.Popen(DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
@@ -121,6 +124,18 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
         warm = build_workload(WorkloadConfig(kind="random", num_prompts=4, input_len=256,
                                              output_len=16, seed=12345))
         asyncio.run(run_benchmark(config, warm.requests))
+        yield proc, port, config
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def serve_and_bench(extra_args: list[str], workload) -> dict:
+    """Start `deepinfer serve`, replay the workload with the bench client, stop the server."""
+    with warm_server(extra_args) as (proc, port, config):
         load_before = os.getloadavg()[0]
         cpu_before = process_cpu_seconds(proc.pid)
         workers_before = worker_counters(port)
@@ -140,12 +155,6 @@ def serve_and_bench(extra_args: list[str], workload) -> dict:
                 "first_token_times_ms": sorted(1e3 * (r.start_s + r.ttft_s)
                                                for r in run.results if r.ttft_s is not None),
                 "ttfts_ms": [1e3 * r.ttft_s for r in run.results if r.ttft_s is not None]}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def process_cpu_seconds(pid: int) -> dict[str, float]:

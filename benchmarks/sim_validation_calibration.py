@@ -23,8 +23,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -94,22 +92,11 @@ def _fit_two(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 def _measure_server(extra_args: list[str]) -> list[dict]:
     """One server: warm-up, then each calibration workload; CPU s of front and client each."""
     from benchmarks import sim_validation as sv
-    from deepinfer.bench.serve_client import ClientConfig, run_benchmark
+    from deepinfer.bench.serve_client import run_benchmark
     from deepinfer.bench.workloads import WorkloadConfig, build_workload
 
-    port = sv.free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="sim-calibration-serve-", suffix=".log")
-    proc = subprocess.Popen(sv.DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
-                                            "--num-kv-blocks", str(sv.NUM_KV_BLOCKS),
-                                            *extra_args],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     runs = []
-    try:
-        sv.wait_ready(proc, port, log)
-        config = ClientConfig(base_url=f"http://127.0.0.1:{port}", show_progress=False)
-        warm = build_workload(WorkloadConfig(kind="random", num_prompts=4, input_len=INPUT_LEN,
-                                             output_len=16, seed=12345))
-        asyncio.run(run_benchmark(config, warm.requests))
+    with sv.warm_server(extra_args) as (proc, _, config):
         for output_len in OUTPUT_LENS:
             workload = build_workload(WorkloadConfig(
                 kind="random", num_prompts=NUM_REQUESTS, input_len=INPUT_LEN,
@@ -125,12 +112,6 @@ def _measure_server(extra_args: list[str]) -> list[dict]:
                          "front_cpu_s": after["front"] - before["front"],
                          "client_cpu_s": after["client"] - before["client"],
                          "load_average": os.getloadavg()[0]})
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return runs
 
 
