@@ -62,6 +62,32 @@ _COUNTERS = (
      lambda c: c.num_prefilled_requests),
     ("prefill_computed_tokens", "Prefill: prompt tokens computed (not prefix-cache hits).",
      lambda c: c.prefill_computed_tokens),
+    # Decode: where a request's time between tokens goes (per step: running vs served).
+    ("decode_step_running_requests", "Decode: requests running at each step's start, summed "
+     "over steps.", lambda c: c.decode_step_running_requests),
+    ("decode_step_token_requests", "Decode: requests each step gave a token, summed over steps "
+     "(less than decode_step_running_requests: requests that got none).",
+     lambda c: c.decode_step_token_requests),
+    ("decode_step_pending_transfers", "Decode: requests waiting for their KV (allocation or "
+     "pull) at each step's start, summed over steps.",
+     lambda c: c.decode_step_pending_transfers),
+    ("decode_token_gap_seconds", "Decode: seconds between a request's consecutive token "
+     "emissions on this worker (its inter-token latency at the source), summed.",
+     lambda c: c.decode_token_gap_seconds_total),
+    ("decode_token_gaps", "Decode: those gaps counted.", lambda c: c.decode_token_gaps),
+    ("decode_alloc_wait_seconds", "Decode: seconds from a DecodeRequest's arrival to its KV "
+     "blocks' allocation, summed.", lambda c: c.decode_alloc_wait_seconds_total),
+    ("decode_fetch_wait_seconds", "Decode: seconds from allocation to the pulled KV being "
+     "picked up by the loop, summed.", lambda c: c.decode_fetch_wait_seconds_total),
+    ("decode_kv_write_seconds", "Decode: seconds writing pulled KV into the cache and "
+     "admitting the request, summed.", lambda c: c.decode_kv_write_seconds_total),
+    ("decode_first_token_wait_seconds", "Decode: seconds from admission to the request's "
+     "first token on this worker, summed.", lambda c: c.decode_first_token_wait_seconds_total),
+    ("decode_admitted_requests", "Decode: requests admitted after their KV transfer.",
+     lambda c: c.decode_admitted),
+    ("between_steps_seconds", "Wall seconds between steps in the role's own work (decode: "
+     "allocations, pulls, KV writes; not in loop_step_seconds).",
+     lambda c: c.between_steps_seconds_total),
 )
 
 

@@ -27,6 +27,8 @@ class _Incoming:
     fetch_after: float = 0.0  # debug delay before the pull starts
     block_ids: list[int] | None = None
     fetching: bool = False
+    received_at: float = 0.0  # monotonic times, for the counters
+    allocated_at: float = 0.0
 
 
 class DecodeWorkerLoop(WorkerLoop):
@@ -38,6 +40,12 @@ class DecodeWorkerLoop(WorkerLoop):
         self.transport = transport
         self._waiting_alloc: deque[str] = deque()
         self._incoming: dict[str, _Incoming] = {}
+        # Counters of where a request's time between tokens goes (issue 14): when each
+        # admitted request was admitted (until its first token here), and when its last
+        # token came out of a step; the running / pending counts at the coming step's start.
+        self._admitted_at: dict[str, float] = {}
+        self._last_token_at: dict[str, float] = {}
+        self._step_running = self._step_pending = 0
         # A preempted image request is recomputed here: its embeddings by image hash.
         attach_embedding_store(engine, spec.kv_store_url)
 
@@ -46,6 +54,7 @@ class DecodeWorkerLoop(WorkerLoop):
             for request_id in message.request_ids:
                 if self._incoming.pop(request_id, None) is not None:
                     self.transport.cancel_fetch(request_id)
+                self._forget_times(request_id)
             return
         if not isinstance(message, DecodeRequest):
             logger.warning("decode worker ignores %s", type(message).__name__)
@@ -53,7 +62,7 @@ class DecodeWorkerLoop(WorkerLoop):
         now = time.monotonic()
         self._incoming[message.request_id] = _Incoming(
             message, now + self.spec.transfer_timeout_s,
-            fetch_after=now + self.spec.debug_transfer_delay_s)
+            fetch_after=now + self.spec.debug_transfer_delay_s, received_at=now)
         self._waiting_alloc.append(message.request_id)
 
     def has_background_work(self) -> bool:
@@ -63,9 +72,41 @@ class DecodeWorkerLoop(WorkerLoop):
         return self.engine.has_schedulable_requests()
 
     def before_step(self) -> None:
+        start = time.monotonic()
         self._allocate_waiting()
         self._start_fetches()
         self._finish_transfers()
+        self.counters.between_steps_seconds_total += time.monotonic() - start
+        self._step_running = self.engine.scheduler.num_running
+        self._step_pending = len(self._incoming)
+
+    def after_step(self, outputs: list) -> None:
+        first_new = len(self._outputs)
+        super().after_step(outputs)
+        now = time.monotonic()
+        c = self.counters
+        c.decode_step_running_requests += self._step_running
+        c.decode_step_pending_transfers += self._step_pending
+        for delta in self._outputs[first_new:]:
+            if not any(choice.token_ids for choice in delta.choices):
+                continue
+            c.decode_step_token_requests += 1
+            request_id = delta.request_id
+            admitted = self._admitted_at.pop(request_id, None)
+            last = self._last_token_at.get(request_id)
+            if admitted is not None:
+                c.decode_first_token_wait_seconds_total += now - admitted
+            elif last is not None:
+                c.decode_token_gap_seconds_total += now - last
+                c.decode_token_gaps += 1
+            if delta.finished:
+                self._last_token_at.pop(request_id, None)
+            else:
+                self._last_token_at[request_id] = now
+
+    def _forget_times(self, request_id: str) -> None:
+        self._admitted_at.pop(request_id, None)
+        self._last_token_at.pop(request_id, None)
 
     def _allocate_waiting(self) -> None:
         now = time.monotonic()
@@ -94,6 +135,8 @@ class DecodeWorkerLoop(WorkerLoop):
                 return  # FIFO: wait for blocks to free up
             self._waiting_alloc.popleft()
             entry.block_ids = block_ids
+            entry.allocated_at = time.monotonic()
+            self.counters.decode_alloc_wait_seconds_total += entry.allocated_at - entry.received_at
             self._dirty = True
 
     def _start_fetches(self) -> None:
@@ -113,6 +156,7 @@ class DecodeWorkerLoop(WorkerLoop):
                 self.counters.num_transfer_failures += 1
                 self._fail(result.request_id, result.error)
                 continue
+            polled_at = time.monotonic()
             try:
                 write_received_kv(self.engine.cache, entry.block_ids, result.kv)
             except (RuntimeError, ValueError) as exc:  # e.g. a payload of another layout
@@ -121,6 +165,8 @@ class DecodeWorkerLoop(WorkerLoop):
                                               f"{exc}")
                 continue
             self.engine.admit_transferred(result.request_id)
+            admitted_at = time.monotonic()
+            self._admitted_at[result.request_id] = admitted_at
             self._kv_received.append(result.request_id)
             m = entry.message
             self.tracker.add_request(m.request_id, m.sampling_params)
@@ -131,6 +177,9 @@ class DecodeWorkerLoop(WorkerLoop):
             c.transfer_bytes += result.num_bytes
             c.num_transfers += 1
             c.transfer_seconds_total += result.seconds
+            c.decode_fetch_wait_seconds_total += polled_at - entry.allocated_at
+            c.decode_kv_write_seconds_total += admitted_at - polled_at
+            c.decode_admitted += 1
             self._dirty = True
 
     def forget_failed(self, request_id: str) -> None:
@@ -138,9 +187,11 @@ class DecodeWorkerLoop(WorkerLoop):
         # pull still in flight must never be written into them.
         if self._incoming.pop(request_id, None) is not None:
             self.transport.cancel_fetch(request_id)
+        self._forget_times(request_id)
 
     def _fail(self, request_id: str, message: str, free: bool = True) -> None:
         self._incoming.pop(request_id, None)
+        self._forget_times(request_id)
         if free:
             self.engine.abort_request([request_id])
         self.emit_error(request_id, message)

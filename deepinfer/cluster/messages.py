@@ -163,6 +163,18 @@ class WorkerCounters(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # decode: where a request's time between tokens goes (sums; divide by the counts)
+    decode_step_running_requests: int = 0  # requests running at each step's start, summed
+    decode_step_token_requests: int = 0  # requests each step gave a token, summed
+    decode_step_pending_transfers: int = 0  # requests waiting for their KV at each step, summed
+    decode_token_gap_seconds_total: float = 0.0  # a request's consecutive emissions here
+    decode_token_gaps: int = 0
+    decode_alloc_wait_seconds_total: float = 0.0  # DecodeRequest received -> blocks allocated
+    decode_fetch_wait_seconds_total: float = 0.0  # blocks allocated -> KV pulled (polled)
+    decode_kv_write_seconds_total: float = 0.0  # pulled KV written into the cache
+    decode_first_token_wait_seconds_total: float = 0.0  # admitted -> its first token here
+    decode_admitted: int = 0  # requests admitted after their transfer
+    between_steps_seconds_total: float = 0.0  # before_step: allocations, pulls, KV writes
 
 
 class WorkerReport(msgspec.Struct, tag=True):
