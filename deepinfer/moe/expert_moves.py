@@ -67,36 +67,74 @@ def align_to_current(old_phy2log: np.ndarray, new_phy2log: np.ndarray, slots_per
     """
     old = np.asarray(old_phy2log, dtype=np.int64)
     new = np.asarray(new_phy2log, dtype=np.int64)
+    if old.shape != new.shape or old.ndim != 2:
+        raise ValueError(f"layouts differ in shape: {old.shape} vs {new.shape}")
+    if slots_per_rank < 1 or old.shape[1] % slots_per_rank:
+        raise ValueError(f"{old.shape[1]} slots do not split into ranks of {slots_per_rank}")
     num_ranks = old.shape[1] // slots_per_rank
     per_node = ranks_per_node or num_ranks
+    if per_node < 1 or num_ranks % per_node:
+        raise ValueError(f"{num_ranks} ranks do not split into nodes of {per_node}")
     out = np.empty_like(new)
+    if old.size == 0:
+        return out
+    # Expert ids renumbered 0..n-1 so they index count matrices (whatever ints they were).
+    ids, dense = np.unique(np.stack([old, new]), return_inverse=True)
+    dense = dense.reshape(2, *old.shape)
     for layer in range(old.shape[0]):
         old_sets = old[layer].reshape(num_ranks, slots_per_rank)
         new_sets = new[layer].reshape(num_ranks, slots_per_rank)
-        for node_start in range(0, num_ranks, per_node):
-            ranks = range(node_start, node_start + per_node)
-            for old_rank, new_rank in _match_ranks(old_sets, new_sets, ranks):
+        overlap = _overlaps(_counts(dense[0, layer].reshape(num_ranks, -1), ids.size),
+                            _counts(dense[1, layer].reshape(num_ranks, -1), ids.size), per_node)
+        for node, node_overlap in enumerate(overlap):
+            start = node * per_node
+            for a, b in _match_ranks(node_overlap):
+                old_rank, new_rank = start + a, start + b
                 out[layer, old_rank * slots_per_rank:(old_rank + 1) * slots_per_rank] = \
                     _keep_slots(old_sets[old_rank], new_sets[new_rank])
     return out
 
 
-def _match_ranks(old_sets: np.ndarray, new_sets: np.ndarray, ranks: range) -> list[tuple[int, int]]:
-    """Greedy max-overlap pairing of old ranks with the plan's ranks (both within `ranks`)."""
-    overlap = {(a, b): _multiset_overlap(old_sets[a], new_sets[b]) for a in ranks for b in ranks}
-    pairs, used_old, used_new = [], set(), set()
-    for (a, b), _ in sorted(overlap.items(), key=lambda item: (-item[1], item[0])):
-        if a not in used_old and b not in used_new:
+def _counts(sets: np.ndarray, num_ids: int) -> np.ndarray:
+    """[ranks, num_ids]: how many slots of each rank hold each expert."""
+    num_ranks = sets.shape[0]
+    flat = (np.arange(num_ranks)[:, None] * num_ids + sets).ravel()
+    return np.bincount(flat, minlength=num_ranks * num_ids).reshape(num_ranks, num_ids)
+
+
+def _overlaps(old_counts: np.ndarray, new_counts: np.ndarray, per_node: int) -> np.ndarray:
+    """[nodes, per_node, per_node]: experts shared (as multisets) by each old and new rank of a
+    node. sum_e min(a_e, b_e) = sum_k #{e: a_e >= k and b_e >= k}, i.e. one matmul per k."""
+    num_nodes = old_counts.shape[0] // per_node
+    old_counts = old_counts.reshape(num_nodes, per_node, -1)
+    new_counts = new_counts.reshape(num_nodes, per_node, -1)
+    total = np.zeros((num_nodes, per_node, per_node))
+    # Float matmul (BLAS) is exact here: every sum is at most slots_per_rank.
+    for k in range(1, int(min(old_counts.max(), new_counts.max())) + 1):
+        total += (old_counts >= k).astype(np.float64) @ \
+            (new_counts >= k).astype(np.float64).transpose(0, 2, 1)
+    return total.astype(np.int64)
+
+
+def _match_ranks(overlap: np.ndarray) -> list[tuple[int, int]]:
+    """Greedy max-overlap pairing of old ranks (rows) with the plan's ranks (columns): pairs
+    taken in (-overlap, old rank, new rank) order while both are free."""
+    n = overlap.shape[0]
+    flat = overlap.ravel()
+    shared = np.flatnonzero(flat > 0)  # at most n * slots_per_rank: the loop stays short
+    order = shared[np.argsort(-flat[shared], kind="stable")]  # stable: ties by (old, new)
+    used_old, used_new = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    pairs = []
+    for index in order.tolist():
+        a, b = divmod(index, n)
+        if not (used_old[a] or used_new[b]):
             pairs.append((a, b))
-            used_old.add(a)
-            used_new.add(b)
+            used_old[a] = used_new[b] = True
+            if len(pairs) == n:
+                return pairs
+    # Every free-free pair left shares nothing, so the (old, new) order pairs them in turn.
+    pairs += zip(np.flatnonzero(~used_old).tolist(), np.flatnonzero(~used_new).tolist())
     return pairs
-
-
-def _multiset_overlap(a: np.ndarray, b: np.ndarray) -> int:
-    values, counts_a = np.unique(a, return_counts=True)
-    counts_b = np.array([np.count_nonzero(b == v) for v in values])
-    return int(np.minimum(counts_a, counts_b).sum())
 
 
 def _keep_slots(old_slots: np.ndarray, new_experts: np.ndarray) -> np.ndarray:
