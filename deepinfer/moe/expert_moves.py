@@ -75,45 +75,46 @@ def align_to_current(old_phy2log: np.ndarray, new_phy2log: np.ndarray, slots_per
     per_node = ranks_per_node or num_ranks
     if per_node < 1 or num_ranks % per_node:
         raise ValueError(f"{num_ranks} ranks do not split into nodes of {per_node}")
-    out = np.empty_like(new)
     if old.size == 0:
-        return out
-    # Expert ids renumbered 0..n-1 so they index count matrices (whatever ints they were).
+        return new.copy()
+    # Expert ids renumbered 0..n-1 so they index count arrays (whatever ints they were).
     ids, dense = np.unique(np.stack([old, new]), return_inverse=True)
-    dense = dense.reshape(2, *old.shape)
+    dense = dense.reshape(2, old.shape[0], num_ranks, slots_per_rank)
+    partner = np.empty((old.shape[0], num_ranks), dtype=np.int64)  # old rank -> plan's rank
     for layer in range(old.shape[0]):
-        old_sets = old[layer].reshape(num_ranks, slots_per_rank)
-        new_sets = new[layer].reshape(num_ranks, slots_per_rank)
-        overlap = _overlaps(_counts(dense[0, layer].reshape(num_ranks, -1), ids.size),
-                            _counts(dense[1, layer].reshape(num_ranks, -1), ids.size), per_node)
+        overlap = _overlaps(dense[0, layer], dense[1, layer], ids.size, per_node)
         for node, node_overlap in enumerate(overlap):
             start = node * per_node
             for a, b in _match_ranks(node_overlap):
-                old_rank, new_rank = start + a, start + b
-                out[layer, old_rank * slots_per_rank:(old_rank + 1) * slots_per_rank] = \
-                    _keep_slots(old_sets[old_rank], new_sets[new_rank])
-    return out
+                partner[layer, start + a] = start + b
+    old_sets = old.reshape(-1, num_ranks, slots_per_rank)
+    new_sets = np.take_along_axis(new.reshape(old_sets.shape), partner[:, :, None], axis=1)
+    return _keep_slots(old_sets.reshape(-1, slots_per_rank),
+                       new_sets.reshape(-1, slots_per_rank)).reshape(old.shape)
 
 
-def _counts(sets: np.ndarray, num_ids: int) -> np.ndarray:
-    """[ranks, num_ids]: how many slots of each rank hold each expert."""
-    num_ranks = sets.shape[0]
-    flat = (np.arange(num_ranks)[:, None] * num_ids + sets).ravel()
-    return np.bincount(flat, minlength=num_ranks * num_ids).reshape(num_ranks, num_ids)
+def _copy_index(sets: np.ndarray) -> np.ndarray:
+    """[rows, slots]: 1 for a row's first slot holding its expert, 2 for the second..."""
+    return np.tril(sets[:, :, None] == sets[:, None, :]).sum(-1)
 
 
-def _overlaps(old_counts: np.ndarray, new_counts: np.ndarray, per_node: int) -> np.ndarray:
-    """[nodes, per_node, per_node]: experts shared (as multisets) by each old and new rank of a
-    node. sum_e min(a_e, b_e) = sum_k #{e: a_e >= k and b_e >= k}, i.e. one matmul per k."""
-    num_nodes = old_counts.shape[0] // per_node
-    old_counts = old_counts.reshape(num_nodes, per_node, -1)
-    new_counts = new_counts.reshape(num_nodes, per_node, -1)
-    total = np.zeros((num_nodes, per_node, per_node))
-    # Float matmul (BLAS) is exact here: every sum is at most slots_per_rank.
-    for k in range(1, int(min(old_counts.max(), new_counts.max())) + 1):
-        total += (old_counts >= k).astype(np.float64) @ \
-            (new_counts >= k).astype(np.float64).transpose(0, 2, 1)
-    return total.astype(np.int64)
+def _overlaps(old_sets: np.ndarray, new_sets: np.ndarray, num_ids: int,
+              per_node: int) -> np.ndarray:
+    """[nodes, per_node, per_node]: how many experts (as multisets) each old rank of a node
+    shares with each new rank of it, i.e. sum_e min(old count, new count).
+
+    The j-th copy of expert e on an old rank counts once for every new rank holding e at least
+    j times; summing over the old rank's slots gives sum_e min(...) without touching the
+    experts neither holds (R x slots x per_node work, not R x E x R)."""
+    num_ranks, per_rank = old_sets.shape
+    num_nodes = num_ranks // per_node
+    rank_ids = np.arange(num_ranks)
+    new_counts = np.zeros((num_ranks, num_ids), dtype=np.int64)
+    np.add.at(new_counts, (rank_ids[:, None], new_sets), 1)
+    # [nodes, E, per_node]: per expert, its count on each new rank of the node.
+    by_expert = new_counts.reshape(num_nodes, per_node, num_ids).transpose(0, 2, 1)
+    held = by_expert[(rank_ids // per_node)[:, None], old_sets]  # [R, slots, per_node]
+    return (held >= _copy_index(old_sets)[:, :, None]).sum(1).reshape(num_nodes, per_node, per_node)
 
 
 def _match_ranks(overlap: np.ndarray) -> list[tuple[int, int]]:
@@ -123,7 +124,7 @@ def _match_ranks(overlap: np.ndarray) -> list[tuple[int, int]]:
     flat = overlap.ravel()
     shared = np.flatnonzero(flat > 0)  # at most n * slots_per_rank: the loop stays short
     order = shared[np.argsort(-flat[shared], kind="stable")]  # stable: ties by (old, new)
-    used_old, used_new = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    used_old, used_new = [False] * n, [False] * n  # lists: cheaper to index than arrays
     pairs = []
     for index in order.tolist():
         a, b = divmod(index, n)
@@ -133,17 +134,22 @@ def _match_ranks(overlap: np.ndarray) -> list[tuple[int, int]]:
             if len(pairs) == n:
                 return pairs
     # Every free-free pair left shares nothing, so the (old, new) order pairs them in turn.
-    pairs += zip(np.flatnonzero(~used_old).tolist(), np.flatnonzero(~used_new).tolist())
+    pairs += zip([a for a in range(n) if not used_old[a]], [b for b in range(n) if not used_new[b]])
     return pairs
 
 
 def _keep_slots(old_slots: np.ndarray, new_experts: np.ndarray) -> np.ndarray:
-    """The rank's new experts arranged so that slots already holding one of them keep it."""
-    remaining = list(new_experts)
-    out = np.full(old_slots.shape[0], -1, dtype=np.int64)
-    for i, expert in enumerate(old_slots):
-        if expert in remaining:
-            out[i] = expert
-            remaining.remove(expert)
-    out[out < 0] = remaining
+    """[rows, slots]: each row's new experts arranged so that slots already holding one of them
+    keep it. The j-th old slot of an expert keeps it when the new row holds it at least j times;
+    the new row's other entries fill the remaining slots, both in slot order."""
+    kept = ((old_slots[:, :, None] == new_experts[:, None, :]).sum(-1)
+            >= _copy_index(old_slots))
+    placed = ((new_experts[:, :, None] == old_slots[:, None, :]).sum(-1)
+              >= _copy_index(new_experts))  # the first min(old, new count) copies stay put
+    free_slots = np.argsort(kept, axis=1, kind="stable")  # slots not kept first, in order
+    to_place = np.argsort(placed, axis=1, kind="stable")
+    fill = np.arange(old_slots.shape[1]) < (~kept).sum(1, keepdims=True)
+    rows = np.broadcast_to(np.arange(old_slots.shape[0])[:, None], fill.shape)
+    out = np.where(kept, old_slots, -1)
+    out[rows[fill], free_slots[fill]] = np.take_along_axis(new_experts, to_place, 1)[fill]
     return out
