@@ -214,6 +214,7 @@ WORKER_COUNTERS = ("engine_steps_total", "model_step_seconds_total", "loop_step_
                    "idle_wait_seconds_total", "prefilled_requests_total",
                    "prefill_computed_tokens_total", "decode_step_running_requests_total",
                    "decode_step_token_requests_total", "decode_step_pending_transfers_total",
+                   "decode_step_token_seconds_total",
                    "decode_token_gap_seconds_total", "decode_token_gaps_total",
                    "decode_alloc_wait_seconds_total", "decode_fetch_wait_seconds_total",
                    "decode_kv_write_seconds_total", "decode_first_token_wait_seconds_total",

@@ -68,6 +68,10 @@ _COUNTERS = (
     ("decode_step_token_requests", "Decode: requests each step gave a token, summed over steps "
      "(less than decode_step_running_requests: requests that got none).",
      lambda c: c.decode_step_token_requests),
+    ("decode_step_token_seconds", "Decode: each step's wall seconds times the requests it gave "
+     "a token, summed (over decode_step_token_requests: the step time a token waits for; "
+     "decode_token_gap_seconds minus this: the time between steps).",
+     lambda c: c.decode_step_token_seconds_total),
     ("decode_step_pending_transfers", "Decode: requests waiting for their KV (allocation or "
      "pull) at each step's start, summed over steps.",
      lambda c: c.decode_step_pending_transfers),

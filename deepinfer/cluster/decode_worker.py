@@ -46,6 +46,7 @@ class DecodeWorkerLoop(WorkerLoop):
         self._admitted_at: dict[str, float] = {}
         self._last_token_at: dict[str, float] = {}
         self._step_running = self._step_pending = 0
+        self._step_start = 0.0
         # A preempted image request is recomputed here: its embeddings by image hash.
         attach_embedding_store(engine, spec.kv_store_url)
 
@@ -79,6 +80,7 @@ class DecodeWorkerLoop(WorkerLoop):
         self.counters.between_steps_seconds_total += time.monotonic() - start
         self._step_running = self.engine.scheduler.num_running
         self._step_pending = len(self._incoming)
+        self._step_start = time.monotonic()
 
     def after_step(self, outputs: list) -> None:
         first_new = len(self._outputs)
@@ -91,6 +93,7 @@ class DecodeWorkerLoop(WorkerLoop):
             if not any(choice.token_ids for choice in delta.choices):
                 continue
             c.decode_step_token_requests += 1
+            c.decode_step_token_seconds_total += now - self._step_start
             request_id = delta.request_id
             admitted = self._admitted_at.pop(request_id, None)
             last = self._last_token_at.get(request_id)

@@ -166,6 +166,7 @@ class WorkerCounters(msgspec.Struct):
     # decode: where a request's time between tokens goes (sums; divide by the counts)
     decode_step_running_requests: int = 0  # requests running at each step's start, summed
     decode_step_token_requests: int = 0  # requests each step gave a token, summed
+    decode_step_token_seconds_total: float = 0.0  # each step's wall x requests it served
     decode_step_pending_transfers: int = 0  # requests waiting for their KV at each step, summed
     decode_token_gap_seconds_total: float = 0.0  # a request's consecutive emissions here
     decode_token_gaps: int = 0

@@ -152,6 +152,8 @@ def test_a_running_request_without_a_token_is_counted(worker):
     assert c.decode_step_token_requests == 5
     assert c.decode_token_gaps == 3  # a twice, b once (over two steps)
     assert c.decode_token_gap_seconds_total == pytest.approx(0.03 + 0.03 + 0.06)
+    # step walls x requests served: the first step took no time, then 2 x 0.03, 1 x 0.03
+    assert c.decode_step_token_seconds_total == pytest.approx(0.03 + 2 * 0.03)
 
 
 def test_an_aborted_request_leaves_no_times_behind(worker):
@@ -169,6 +171,7 @@ def test_decode_counters_are_exported_per_worker():
                               decode_token_gap_seconds_total=0.5, decode_admitted=2)
     values = {name: get(counters) for name, _, get in _COUNTERS}
     for name in ("decode_step_running_requests", "decode_step_token_requests",
+                 "decode_step_token_seconds",
                  "decode_step_pending_transfers", "decode_token_gap_seconds",
                  "decode_token_gaps", "decode_alloc_wait_seconds", "decode_fetch_wait_seconds",
                  "decode_kv_write_seconds", "decode_first_token_wait_seconds",
