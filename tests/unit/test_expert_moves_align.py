@@ -1,6 +1,10 @@
 """align_to_current (vectorized rank matching) returns exactly what the original per-pair
-implementation returned, kept below as the reference, on random EPLB plans of many shapes."""
+implementation returned (kept once, in benchmarks/eplb_align_bench.py) on random EPLB plans of
+many shapes."""
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,43 +13,16 @@ from deepinfer.moe.eplb import plan_placement
 from deepinfer.moe.expert_moves import align_to_current
 
 
-def reference_align(old, new, slots_per_rank, ranks_per_node=None):
-    """The implementation before vectorization (np.unique per rank pair, Python sort)."""
-    old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
-    num_ranks = old.shape[1] // slots_per_rank
-    per_node = ranks_per_node or num_ranks
-    out = np.empty_like(new)
-    for layer in range(old.shape[0]):
-        old_sets = old[layer].reshape(num_ranks, slots_per_rank)
-        new_sets = new[layer].reshape(num_ranks, slots_per_rank)
-        for start in range(0, num_ranks, per_node):
-            ranks = range(start, start + per_node)
-            overlap = {(a, b): reference_overlap(old_sets[a], new_sets[b])
-                       for a in ranks for b in ranks}
-            used_old, used_new = set(), set()
-            for (a, b), _ in sorted(overlap.items(), key=lambda item: (-item[1], item[0])):
-                if a not in used_old and b not in used_new:
-                    used_old.add(a)
-                    used_new.add(b)
-                    out[layer, a * slots_per_rank:(a + 1) * slots_per_rank] = \
-                        reference_keep(old_sets[a], new_sets[b])
-    return out
+def _load_reference():
+    """The implementation before vectorization, kept once, in the benchmark that times it."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "eplb_align_bench.py"
+    spec = importlib.util.spec_from_file_location("eplb_align_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.old_align_to_current
 
 
-def reference_overlap(a, b):
-    values, counts_a = np.unique(a, return_counts=True)
-    return int(np.minimum(counts_a, [np.count_nonzero(b == v) for v in values]).sum())
-
-
-def reference_keep(old_slots, new_experts):
-    remaining = list(new_experts)
-    out = np.full(old_slots.shape[0], -1, dtype=np.int64)
-    for i, expert in enumerate(old_slots):
-        if expert in remaining:
-            out[i] = expert
-            remaining.remove(expert)
-    out[out < 0] = remaining
-    return out
+reference_align = _load_reference()
 
 
 # (ranks, slots per rank, logical experts, nodes): redundant replicas everywhere (slots > experts,
