@@ -218,7 +218,8 @@ WORKER_COUNTERS = ("engine_steps_total", "model_step_seconds_total", "loop_step_
                    "decode_token_gap_seconds_total", "decode_token_gaps_total",
                    "decode_alloc_wait_seconds_total", "decode_fetch_wait_seconds_total",
                    "decode_kv_write_seconds_total", "decode_first_token_wait_seconds_total",
-                   "decode_admitted_requests_total", "between_steps_seconds_total")
+                   "decode_admitted_requests_total", "between_steps_seconds_total",
+                   "kv_transfer_seconds_total")
 
 
 def worker_counters(port: int) -> dict[str, dict[str, float]]:
