@@ -344,8 +344,9 @@ def parse_args(argv: list[str] | None = None):
                              "(default: workload,workload-pd with --trace/--workload, else "
                              "w1,mooncake,mooncake-pd)")
     parser.add_argument("--trace", default=None, metavar="PATH",
-                        help="a trace bench serve reads (.jsonl Mooncake, .csv Azure): the "
-                             "workload cases replay it (= --workload trace:PATH)")
+                        help="a trace bench serve reads (Mooncake / Bailian JSONL, Azure / BurstGPT "
+                             "CSV, generic JSONL/CSV, gzip too; --trace-format to force one): "
+                             "the workload cases replay it (= --workload trace:PATH)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="real runs per case, a fresh server each (default 1)")
     parser.add_argument("--sim-samples", type=int, default=1, metavar="K",
