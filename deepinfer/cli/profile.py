@@ -30,6 +30,12 @@ def register(sub) -> None:
     p.add_argument("--host-sharing", type=int, default=0, metavar="N",
                    help="also measure how fast 1..N single-thread processes run at once on "
                         "this host (the simulator's host.sharing: measured); 0: skip")
+    p.add_argument("--time-sharing", action="store_true",
+                   help="also measure how much more CPU a step costs while a second process "
+                        "time-shares its core (the simulator's host.time_sharing: measured)")
+    p.add_argument("--update", default=None, metavar="PROFILE",
+                   help="skip the grid: copy this existing profile, add the host measurements "
+                        "asked for (--time-sharing, --host-sharing) and write it to --out")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(func=run)
 
@@ -41,6 +47,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--repeats must be at least 1")
     if args.host_sharing < 0:
         raise CLIError("--host-sharing must be >= 0")
+    if args.update is not None:
+        if not (args.time_sharing or args.host_sharing):
+            raise CLIError("--update needs --time-sharing or --host-sharing")
+        try:
+            with open(args.update) as f:
+                base = json.load(f)
+            if not isinstance(base, dict) or not isinstance(base.get("metadata"), dict):
+                raise ValueError("no metadata")
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot read profile {args.update}: {e}") from None
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"output folder does not exist: {out_dir}")
@@ -65,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
     shape = ModelShape.from_model_config(engine.model_config, dtype_bytes)
     start = time.monotonic()
+    if args.update is not None:
+        return _update(args, engine, base)
 
     def progress(done: int, total: int) -> None:
         sys.stderr.write(f"\rprofiling {done}/{total} steps ({time.monotonic() - start:.0f} s)")
@@ -79,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
             engine, after_step=_serving_loop_work(engine))
         model.metadata["kv_transport"] = _measure_transport(engine)
         model.metadata["store_publish"] = _measure_publish(engine)
-    if args.host_sharing > 0:
-        from deepinfer.runtime.profiler import measure_host_sharing
-        model.metadata["host_sharing"] = measure_host_sharing(args.host_sharing)
+    _measure_sharing(args, engine, model.metadata)
     with open(args.out, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
     err = model.holdout_error
@@ -109,10 +125,7 @@ def run(args: argparse.Namespace) -> int:
     publish = model.metadata.get("store_publish")
     if publish:
         print(f"publishing KV to an fs store: {publish['s_per_byte'] * 1e9:.3f} CPU-s per GB")
-    sharing = model.metadata.get("host_sharing")
-    if sharing:
-        print("speed of k single-thread processes at once: " + ", ".join(
-            f"k={k} {v:.2f}" for k, v in enumerate(sharing["speed"], 1)))
+    _print_sharing(model.metadata)
     link = model.metadata.get("kv_transport")
     if link:
         print(f"KV transport (stage copy + pull + write): {link['latency_ms']:.2f} ms + "
@@ -121,6 +134,41 @@ def run(args: argparse.Namespace) -> int:
             cpu = link["cpu_s_per_gb"]
             print(f"  its CPU per GB: sender {cpu['sender']:.3f} s, receiver "
                   f"{cpu['receiver']:.3f} s")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _measure_sharing(args, engine, metadata: dict) -> None:
+    if args.host_sharing > 0:
+        from deepinfer.runtime.profiler import measure_host_sharing
+        metadata["host_sharing"] = measure_host_sharing(args.host_sharing)
+    if args.time_sharing:
+        from deepinfer.runtime.profiler import measure_time_sharing
+        metadata["time_sharing"] = measure_time_sharing(
+            engine.runner, engine.model_config.vocab_size, {
+                "model": args.model, "dtype": args.dtype, "device": args.device,
+                "num_threads": 1, "kv_cache_memory": args.kv_cache_memory,
+                "block_size": args.block_size})
+
+
+def _print_sharing(metadata: dict) -> None:
+    sharing = metadata.get("host_sharing")
+    if sharing:
+        print("speed of k single-thread processes at once: " + ", ".join(
+            f"k={k} {v:.2f}" for k, v in enumerate(sharing["speed"], 1)))
+    ts = metadata.get("time_sharing")
+    if ts:
+        print("work per CPU-second on a time-shared core / alone: " + ", ".join(
+            f"{k} {ts[k]:.3f}" for k in ("decode", "large_decode", "prefill") if k in ts)
+            + f" (load average {ts['load_average']:.2f})")
+
+
+def _update(args, engine, base: dict) -> int:
+    """`--update`: the existing profile with the host measurements asked for added."""
+    _measure_sharing(args, engine, base["metadata"])
+    _print_sharing(base["metadata"])
+    with open(args.out, "w") as f:
+        json.dump(base, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

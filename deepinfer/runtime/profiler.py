@@ -431,3 +431,124 @@ def measure_host_sharing(max_procs: int = 4, duration_s: float = 1.5, size: int 
         rates.append(statistics.mean(per_proc))
     return {"speed": [r / rates[0] for r in rates], "max_procs": max_procs,
             "duration_s": duration_s}
+
+
+# ---- a time-shared core -----------------------------------------------------------------------
+TIME_SHARING_CONTEXT = 300
+# kind -> the batches measured (decode kinds follow the piecewise cost model's split)
+TIME_SHARING_BATCHES = {
+    "decode": ((ChunkShape(TIME_SHARING_CONTEXT, 1),) * 4,),
+    "large_decode": ((ChunkShape(TIME_SHARING_CONTEXT, 1),) * 16,),
+    "prefill": ((ChunkShape(0, 256),), (ChunkShape(0, 768),)),
+}
+# What the competing process runs, alternately: a decode and a prefill step, as the other
+# workers of a P/D run do.
+TIME_SHARING_COMPETITOR = ((ChunkShape(TIME_SHARING_CONTEXT, 1),) * 16, (ChunkShape(0, 256),))
+
+
+def _time_sharing_child(engine_kwargs: dict, core: int, go, idle, steps) -> None:
+    """The competitor: the same model's steps on `core`, while `go` is set."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    from deepinfer.engine.engine_config import EngineConfig
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    profiler = StepProfiler(engine.runner, engine.model_config.vocab_size, seed=1)
+    outputs = [profiler._make_output(chunks, tag=f"rival{i}")
+               for i, chunks in enumerate(TIME_SHARING_COMPETITOR)]
+    for output in outputs:  # warm up before the first measurement
+        engine.runner.execute(output)
+    while True:
+        if not go.is_set():
+            idle.set()
+            go.wait()
+            idle.clear()
+        for output in outputs:
+            engine.runner.execute(output)
+            with steps.get_lock():
+                steps.value += 1
+
+
+def _steps_per_cpu_second(runner, outputs: list, cpu_s: float) -> float:
+    """Run `outputs` in turn until this process used `cpu_s` CPU seconds; steps per CPU-s."""
+    start = time.process_time()
+    n = 0
+    while True:
+        for output in outputs:
+            runner.execute(output)
+            n += 1
+        used = time.process_time() - start
+        if used >= cpu_s and n >= 3:
+            return n / used
+
+
+def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s: float = 1.0,
+                         repeats: int = 3, core: int | None = None) -> dict:
+    """How much work a step does per CPU-second while its core is time-shared, relative to
+    alone, per step kind (the simulator's `host: {time_sharing: measured}`). This process runs
+    single-threaded, pinned to `core`; a second process, pinned to the same core, runs the same
+    model's steps (a 16-row decode and a 256-token prefill, alternately) or waits. For each kind:
+    steps per CPU-second alone, then shared; efficiency = shared / alone, the median of
+    `repeats` rounds. Two threads on one core evict each other's caches at every switch, which
+    an other-core neighbour does not (it changes nothing measurable here)."""
+    import multiprocessing
+
+    if repeats < 1 or cpu_s <= 0:
+        raise ValueError("need repeats >= 1 and cpu_s > 0")
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    core = min(affinity) if core is None else core
+    ctx = multiprocessing.get_context("spawn")
+    go, idle, steps = ctx.Event(), ctx.Event(), ctx.Value("l", 0)
+    child = ctx.Process(target=_time_sharing_child, args=(engine_kwargs, core, go, idle, steps),
+                        daemon=True)
+    profiler = StepProfiler(runner, vocab_size, seed=2)
+    outputs = {kind: [profiler._make_output(c, tag=f"ts-{kind}{i}") for i, c in enumerate(b)]
+               for kind, b in TIME_SHARING_BATCHES.items()}
+    alone: dict[str, list[float]] = {k: [] for k in outputs}
+    shared: dict[str, list[float]] = {k: [] for k in outputs}
+    child.start()
+    try:
+        os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        if not idle.wait(300.0):  # loaded its model and warmed up
+            raise RuntimeError("the competing process did not start")
+        for kind_outputs in outputs.values():  # warm-up
+            for output in kind_outputs:
+                runner.execute(output)
+        for _ in range(repeats):
+            for kind, kind_outputs in outputs.items():
+                alone[kind].append(_steps_per_cpu_second(runner, kind_outputs, cpu_s))
+                before = steps.value
+                go.set()
+                deadline = time.monotonic() + 60.0
+                while steps.value == before:  # it is running steps, not waking up
+                    if time.monotonic() > deadline or not child.is_alive():
+                        raise RuntimeError("the competing process stopped")
+                    os.sched_yield()
+                shared[kind].append(_steps_per_cpu_second(runner, kind_outputs, cpu_s))
+                go.clear()
+                if not idle.wait(60.0):
+                    raise RuntimeError("the competing process did not pause")
+    finally:
+        child.kill()
+        child.join(10.0)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+        runner.execute(SchedulerOutput([], 0, finished_request_ids=[
+            s.request_id for outs in outputs.values() for o in outs for s in o.scheduled]))
+    out: dict = {kind: statistics.median(s / a for s, a in zip(shared[kind], alone[kind]))
+                 for kind in outputs}
+    out.update({
+        "method": "real runner, 1 thread, pinned with a second process running the same "
+                  "model's steps (decode 16 rows + prefill 256, alternately) to one core: "
+                  "steps per CPU-second shared / alone, median of rounds",
+        "batches": {k: [[[c.context_len, c.num_new_tokens] for c in chunks] for chunks in b]
+                    for k, b in TIME_SHARING_BATCHES.items()},
+        "steps_per_cpu_s_alone": {k: statistics.median(v) for k, v in alone.items()},
+        "steps_per_cpu_s_shared": {k: statistics.median(v) for k, v in shared.items()},
+        "rounds": {k: [s / a for s, a in zip(shared[k], alone[k])] for k in outputs},
+        "core": core, "cpu_s": cpu_s, "repeats": repeats,
+        "load_average": os.getloadavg()[0],
+    })
+    return out

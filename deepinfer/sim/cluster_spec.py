@@ -19,6 +19,8 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
                                # sharing: fair (default) | at-start | measured (simulator.py)
                                # front_cpu / client_cpu / kv_transfer_cpu_s_per_gb: other
                                # CPU consumers on those cores (sim.host_load)
+                               # time_sharing: measured | {decode: .., prefill: ..}: a
+                               # time-shared core's steps cost more CPU (sim.time_sharing)
     noise:        {step_time_cv: 0.04, arrival_jitter_ms: 2.0, seed: 0}  # optional: a
                                # perturbed run (sim.perturbation); omit for the deterministic one
 
@@ -34,6 +36,7 @@ from typing import Any
 
 from deepinfer.routing.policy_names import check_router_names
 from deepinfer.sim.host_load import HOST_CPU_KEYS, HostCpuSpec, host_cpu_from_dict
+from deepinfer.sim.time_sharing import TimeSharing, time_sharing_from_dict
 from deepinfer.sim.perturbation import NoiseSpec
 from deepinfer.sim.roofline import RooflineConfig
 
@@ -153,6 +156,8 @@ class ClusterSpec:
     front_latency_ms: float = 0.0
     noise: NoiseSpec | None = None  # None: deterministic (no perturbation)
     host_cpu: HostCpuSpec | None = None  # front / client / KV-transfer CPU (sim.host_load)
+    # "measured" (the profile's) or a TimeSharing; None: steps cost the same time-shared
+    host_time_sharing: str | TimeSharing | None = None
 
     def __post_init__(self) -> None:
         roles = [p.role for p in self.pools]
@@ -172,6 +177,13 @@ class ClusterSpec:
         if self.host_cpu is not None and self.host_cores is None:
             raise ValueError("host: front_cpu / client_cpu / kv_transfer_cpu_s_per_gb need "
                              "host.cores (they share the workers' cores)")
+        if self.host_time_sharing is not None:
+            if self.host_cores is None:
+                raise ValueError("host.time_sharing needs host.cores")
+            if not (self.host_time_sharing == "measured"
+                    or isinstance(self.host_time_sharing, TimeSharing)):
+                raise ValueError("host.time_sharing must be 'measured' or "
+                                 "{decode: .., prefill: .., large_decode: ..}")
 
     @property
     def disaggregated(self) -> bool:
@@ -256,7 +268,12 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
             "prefix_store", store_data, {f.name for f in dataclasses.fields(StoreSpec)}))
     link = _build(LinkSpec, "kv_transfer", _check_keys(
         "kv_transfer", data.get("kv_transfer"), {f.name for f in dataclasses.fields(LinkSpec)}))
-    host = _check_keys("host", data.get("host"), {"cores", "sharing"} | HOST_CPU_KEYS)
+    host = _check_keys("host", data.get("host"),
+                       {"cores", "sharing", "time_sharing"} | HOST_CPU_KEYS)
+    time_sharing = host.get("time_sharing")
+    if isinstance(time_sharing, dict):
+        time_sharing = time_sharing_from_dict(_check_keys(
+            "host.time_sharing", time_sharing, {"decode", "prefill", "large_decode"}))
     noise_data = data.get("noise")
     noise = None if noise_data is None else _build(NoiseSpec, "noise", _check_keys(
         "noise", noise_data, {f.name for f in dataclasses.fields(NoiseSpec)}))
@@ -267,7 +284,7 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
         prefix_store=store, host_cores=host.get("cores"),
         host_sharing=host.get("sharing", "fair"),
         front_latency_ms=float(data.get("front_latency_ms", 0.0)), noise=noise,
-        host_cpu=host_cpu_from_dict(host))
+        host_cpu=host_cpu_from_dict(host), host_time_sharing=time_sharing)
 
 
 def load_cluster_file(path: str) -> ClusterSpec:

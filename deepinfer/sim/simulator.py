@@ -28,7 +28,10 @@ and never changes; it favours whichever step started first, kept to compare with
 measurements. A step's work is its step-time model's answer
 (model time + the engine loop's host work) plus blocking store loads. The host's other CPU
 consumers (front door, client, both ends of a KV transfer: `sim.host_load`, when the cluster's
-`host` section gives their costs) count as busy threads in the same sharing. Time is
+`host` section gives their costs) count as busy threads in the same sharing. With
+`host.time_sharing` (`sim.time_sharing`), while those threads exceed the cores each step also
+advances at its kind's efficiency (a time-shared core refills its caches at every switch);
+`work_time_s` stays the work at full speed, `cpu_time_s` adds what time-sharing costs. Time is
 simulated; nothing reads the clock.
 
 Noise (`cluster.noise`, `sim.perturbation`): each step's time (the step-time model's answer;
@@ -56,6 +59,7 @@ from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
 from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
 from deepinfer.sim.step_time import build_step_time
+from deepinfer.sim.time_sharing import TimeSharing, time_sharing_from_dict
 
 SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
 
@@ -102,6 +106,12 @@ class ClusterSimulator:
         self.num_transfers = 0
         self.transfer_bytes = 0.0
         self._speed_table = self._measured_speeds() if cluster.host_sharing == "measured" else None
+        self.time_sharing = self._time_sharing()
+        # Per worker: the step's efficiency when time-shared, the one in effect since
+        # `speed_since_s`, and the CPU seconds its steps cost (work / efficiency).
+        self._step_efficiency: dict[str, float] = {}
+        self._efficiency_now: dict[str, float] = {}
+        self.cpu_time_s: dict[str, float] = {w: 0.0 for w in self.workers}
         # Front door, client and KV-transfer threads on the same cores (None: not modelled).
         self.host_load = HostLoad(cluster.host_cpu) if cluster.host_cpu is not None else None
         for worker in self.workers.values():
@@ -118,6 +128,18 @@ class ClusterSimulator:
                 return [float(v) for v in speeds]
         raise ValueError("host.sharing: measured needs a profile measured with "
                          "`deepinfer profile --host-sharing N`")
+
+    def _time_sharing(self) -> TimeSharing | None:
+        spec = self.cluster.host_time_sharing
+        if spec != "measured":
+            return spec
+        for worker in self.workers.values():
+            metadata = getattr(getattr(worker.step_model, "cost_model", None), "metadata", {})
+            data = metadata.get("time_sharing")
+            if data:
+                return time_sharing_from_dict(data, metadata.get("small_decode_rows"))
+        raise ValueError("host.time_sharing: measured needs a profile measured with "
+                         "`deepinfer profile --time-sharing`")
 
     # ---- event loop ------------------------------------------------------------------------
     def _at(self, time_s: float, fn: Callable, *args) -> None:
@@ -271,6 +293,8 @@ class ClusterSimulator:
         worker.busy, worker.output = True, output
         worker.step_started_s, worker.work_left_s = self.now, work_s
         worker.work_time_s += work_s
+        if self.time_sharing is not None:
+            self._step_efficiency[worker.worker_id] = self.time_sharing.efficiency(chunks)
         worker.peak_kv_usage = max(worker.peak_kv_usage, worker.scheduler.kv.usage)
         self._reshare(worker)
 
@@ -279,11 +303,19 @@ class ClusterSimulator:
         cores = self.cluster.host_cores
         if cores is None:
             return 1.0
+        threads = self._busy_threads()
+        if not threads:
+            return 1.0
+        return self._speed_for(threads)
+
+    def _busy_threads(self) -> int:
         threads = sum(w.engine.threads for w in self.workers.values() if w.busy)
         if self.host_load is not None:
             threads += self.host_load.busy_threads()
-        if not threads:
-            return 1.0
+        return threads
+
+    def _speed_for(self, threads: int) -> float:
+        cores = self.cluster.host_cores
         if self._speed_table is not None:
             table = self._speed_table
             if threads <= len(table):
@@ -297,16 +329,24 @@ class ClusterSimulator:
         speed = self._speed()
         sharing = (self.cluster.host_cores is not None
                    and self.cluster.host_sharing in ("fair", "measured"))
+        time_shared = (self.time_sharing is not None
+                       and self._busy_threads() > self.cluster.host_cores)
         for w in self.workers.values():
             if not w.busy or (w is not changed and not sharing):
                 continue
+            efficiency_now = self._efficiency_now.get(w.worker_id, 1.0)
             if w is not changed:
+                done = min(w.work_left_s, (self.now - w.speed_since_s) * w.speed)
+                self.cpu_time_s[w.worker_id] += done / efficiency_now
                 w.work_left_s = max(0.0, w.work_left_s - (self.now - w.speed_since_s) * w.speed)
-            if w is not changed and w.speed == speed:
+            efficiency = self._step_efficiency.get(w.worker_id, 1.0) if time_shared else 1.0
+            w_speed = speed * efficiency if efficiency != 1.0 else speed
+            if w is not changed and w.speed == w_speed:
                 continue  # same speed: its scheduled finish still holds
-            w.speed, w.speed_since_s = speed, self.now
+            self._efficiency_now[w.worker_id] = efficiency
+            w.speed, w.speed_since_s = w_speed, self.now
             w.step_version += 1
-            self._at(self.now + w.work_left_s / speed, self._finish_step, w, w.step_version)
+            self._at(self.now + w.work_left_s / w_speed, self._finish_step, w, w.step_version)
         if self.host_load is not None:
             self._reshare_jobs(speed, changed)
         if sharing:  # progress of the others is accounted up to now
@@ -318,6 +358,10 @@ class ClusterSimulator:
         if version != worker.step_version or not worker.busy:
             return  # superseded: the worker's speed changed after this was scheduled
         output = worker.output
+        # The last stretch at the current speed did the rest of the step's work.
+        self.cpu_time_s[worker.worker_id] += (
+            worker.work_left_s / self._efficiency_now.get(worker.worker_id, 1.0))
+        worker.work_left_s = 0.0
         worker.step_time_s = self.now - worker.step_started_s
         if worker.compute_rate is not None:  # the engine's prefill worker measures this step
             worker.compute_rate.observe(sum(s.num_new_tokens for s in output.scheduled),
