@@ -255,6 +255,8 @@ def worker_breakdown(measured: dict, sim_run) -> dict:
         mine = [r for r in records if r.prefill_worker == w.worker_id]
         out[w.worker_id] = {
             "measured": m, "simulated_steps": w.num_steps, "simulated_work_s": w.work_time_s,
+            "simulated_cpu_s": getattr(sim_run.simulator, "cpu_time_s", {}).get(
+                w.worker_id, w.work_time_s),
             "simulated_prefilled_requests": len(mine),
             "simulated_prefill_computed_tokens": sum(
                 r.prompt_len - (r.num_cached_tokens or 0) for r in mine),
@@ -297,10 +299,19 @@ def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
         "cost": {"profile": profile},
         "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
         "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing,
-                                 **host_cpu_keys(profile, pools)},  # front, client, KV-transfer CPU
+                                 **host_cpu_keys(profile, pools),  # front, client, KV-transfer CPU
+                                 **time_sharing_key(profile)},
         "kv_transfer": measured_link(profile),
         "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
     return dataclasses.replace(cluster, noise=noise)
+
+
+def time_sharing_key(profile: str) -> dict:
+    """`time_sharing: measured` when the profile has `deepinfer profile --time-sharing`'s
+    numbers (a time-shared core's steps cost more CPU); nothing otherwise."""
+    with open(profile) as f:
+        measured = json.load(f).get("metadata", {}).get("time_sharing")
+    return {"time_sharing": "measured"} if measured else {}
 
 
 def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
@@ -323,11 +334,20 @@ def sim_work(sim_run) -> dict[str, float]:
     return {w.worker_id: w.work_time_s for w in sim_run.simulator.workers.values()}
 
 
-def work_error(cpu_s: dict[str, float], sim_run) -> float | None:
+def sim_cpu(sim_run) -> dict[str, float]:
+    """Simulated CPU seconds per worker: its work, / the time-sharing efficiency while its
+    core was time-shared (= the work without `host.time_sharing`)."""
+    cpu = sim_run.simulator.cpu_time_s
+    return {w: cpu[w] for w in sim_run.simulator.workers}
+
+
+def work_error(cpu_s: dict[str, float], sim_run, simulated: dict | None = None
+               ) -> float | None:
     """Simulated work of all workers / their processes' measured CPU seconds - 1: the
-    profile's (and host overhead's) error on this run's work, little moved by other load."""
+    profile's (and host overhead's) error on this run's work, little moved by other load.
+    `simulated`: another per-worker estimate instead of the work (e.g. `sim_cpu`)."""
     measured = sum(v for k, v in cpu_s.items() if k.startswith("child-"))
-    simulated = sum(sim_work(sim_run).values())
+    simulated = sum((simulated if simulated is not None else sim_work(sim_run)).values())
     return simulated / measured - 1.0 if measured > 0 else None
 
 
@@ -502,6 +522,11 @@ def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, p
         "simulated_busy_s": sim_busy(sim_run), "simulated_work_s": sim_work(sim_run),
         "simulated_host_cpu_s": simulated_host_cpu(sim_run),
         "work_error": work_error(real["cpu_s"], sim_run) if real.get("cpu_s") else None,
+        "simulated_cpu_s": sim_cpu(sim_run),
+        "cpu_error": (work_error(real["cpu_s"], sim_run, sim_cpu(sim_run))
+                      if real.get("cpu_s") else None),
+        "time_sharing": (dataclasses.asdict(sim_run.simulator.time_sharing)
+                         if sim_run.simulator.time_sharing is not None else None),
         "workers": worker_breakdown(real.get("workers") or {}, sim_run),
         "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
         "errors_at_start_sharing": compare(real["summary"], simulate_workload(
@@ -578,6 +603,11 @@ def print_first_run_details(case: dict) -> None:
     if case["work_error"] is not None:
         print(f"  simulated work vs the workers' measured CPU seconds: "
               f"{100 * case['work_error']:+.1f}%", flush=True)
+    if case.get("time_sharing") and case.get("cpu_error") is not None:
+        print(f"  simulated CPU (work / time-sharing efficiency while time-shared) vs the "
+              f"same: {100 * case['cpu_error']:+.1f}% (" + ", ".join(
+                  f"{k} {v:.1f}" for k, v in case["simulated_cpu_s"].items()) + ")",
+              flush=True)
     if case["work_error_cpu_clock"] is not None:
         print(f"  ... with the profile refitted on CPU seconds: "
               f"{100 * case['work_error_cpu_clock']:+.1f}% (" + ", ".join(
@@ -591,7 +621,10 @@ def print_worker(worker_id: str, row: dict) -> None:
           f"{m.get('model_step_seconds', 0):.2f} s, loop {m.get('loop_step_seconds', 0):.2f} s "
           f"(host {row['measured_host_ms_per_step'] or 0:.2f} ms/step), CPU "
           f"{m.get('process_cpu_seconds', 0):.2f} s; simulated {row['simulated_steps']} steps, "
-          f"work {row['simulated_work_s']:.2f} s", flush=True)
+          f"work {row['simulated_work_s']:.2f} s"
+          + (f", CPU {row['simulated_cpu_s']:.2f} s"
+             if row.get("simulated_cpu_s", row["simulated_work_s"]) != row["simulated_work_s"]
+             else ""), flush=True)
     if "model_step_cpu_seconds" in m:  # where the wall time outside CPU went
         print(f"    measured: CPU in steps {m['model_step_cpu_seconds']:.2f} s (steps' wall - "
               f"CPU {m.get('model_step_seconds', 0) - m['model_step_cpu_seconds']:.2f} s), "
