@@ -479,12 +479,13 @@ def _steps_per_cpu_second(runner, outputs: list, cpu_s: float) -> float:
             runner.execute(output)
             n += 1
         used = time.process_time() - start
-        if used >= cpu_s and n >= 3:
+        if used >= cpu_s:
             return n / used
 
 
 def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s: float = 1.0,
-                         repeats: int = 3, core: int | None = None) -> dict:
+                         repeats: int = 3, core: int | None = None,
+                         batches: dict | None = None) -> dict:
     """How much work a step does per CPU-second while its core is time-shared, relative to
     alone, per step kind (the simulator's `host: {time_sharing: measured}`). This process runs
     single-threaded, pinned to `core`; a second process, pinned to the same core, runs the same
@@ -496,6 +497,7 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
 
     if repeats < 1 or cpu_s <= 0:
         raise ValueError("need repeats >= 1 and cpu_s > 0")
+    batches = TIME_SHARING_BATCHES if batches is None else batches
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     core = min(affinity) if core is None else core
     ctx = multiprocessing.get_context("spawn")
@@ -504,7 +506,7 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
                         daemon=True)
     profiler = StepProfiler(runner, vocab_size, seed=2)
     outputs = {kind: [profiler._make_output(c, tag=f"ts-{kind}{i}") for i, c in enumerate(b)]
-               for kind, b in TIME_SHARING_BATCHES.items()}
+               for kind, b in batches.items()}
     alone: dict[str, list[float]] = {k: [] for k in outputs}
     shared: dict[str, list[float]] = {k: [] for k in outputs}
     child.start()
@@ -544,7 +546,7 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
                   "model's steps (decode 16 rows + prefill 256, alternately) to one core: "
                   "steps per CPU-second shared / alone, median of rounds",
         "batches": {k: [[[c.context_len, c.num_new_tokens] for c in chunks] for chunks in b]
-                    for k, b in TIME_SHARING_BATCHES.items()},
+                    for k, b in batches.items()},
         "steps_per_cpu_s_alone": {k: statistics.median(v) for k, v in alone.items()},
         "steps_per_cpu_s_shared": {k: statistics.median(v) for k, v in shared.items()},
         "rounds": {k: [s / a for s, a in zip(shared[k], alone[k])] for k in outputs},

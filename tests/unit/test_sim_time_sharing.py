@@ -134,3 +134,27 @@ def test_profile_update_needs_a_measurement_to_add(tmp_path, capsys):
     assert "--time-sharing" in capsys.readouterr().err
     assert main(["profile", "--update", str(tmp_path / "missing.json"), "--time-sharing",
                  "--out", out]) == 2
+
+
+@pytest.mark.slow  # loads the model in a second process
+def test_measure_time_sharing_restores_affinity_and_threads(make_engine_llm):
+    """The real measurement, as short as it goes: every kind gets a positive ratio, and the
+    process's core affinity and torch threads are what they were."""
+    import os
+
+    import torch
+
+    from deepinfer.runtime.profiler import measure_time_sharing
+
+    llm = make_engine_llm(num_kv_blocks=128)
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    out = measure_time_sharing(llm.engine.runner, llm.engine.model_config.vocab_size,
+                               {"dtype": "float32", "device": "cpu", "num_threads": 1,
+                                "num_kv_blocks": 128}, cpu_s=0.05, repeats=1, batches={
+                                   "decode": ((ChunkShape(16, 1),) * 2,),
+                                   "large_decode": ((ChunkShape(16, 1),) * 10,),
+                                   "prefill": ((ChunkShape(0, 32),),)})
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
+    for kind in ("decode", "large_decode", "prefill"):
+        assert 0 < out[kind] < 2 and len(out["rounds"][kind]) == 1
+    assert out["core"] in affinity
