@@ -341,7 +341,7 @@ class ClusterSimulator:
                 w.work_left_s = max(0.0, w.work_left_s - (self.now - w.speed_since_s) * w.speed)
             efficiency = self._step_efficiency.get(w.worker_id, 1.0) if time_shared else 1.0
             w_speed = speed * efficiency if efficiency != 1.0 else speed
-            if w is not changed and w.speed == w_speed:
+            if w is not changed and w.speed == w_speed and efficiency == efficiency_now:
                 continue  # same speed: its scheduled finish still holds
             self._efficiency_now[w.worker_id] = efficiency
             w.speed, w.speed_since_s = w_speed, self.now
