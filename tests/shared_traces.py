@@ -22,3 +22,13 @@ def trace_path(*parts: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading token ids two prompts share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

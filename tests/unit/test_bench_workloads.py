@@ -10,17 +10,7 @@ import pytest
 from deepinfer.bench.trace_formats import read_azure_csv, read_mooncake_jsonl
 from deepinfer.bench.traces import HashBlockTokens, ShrinkConfig, spread_ticks
 from deepinfer.bench.workloads import WorkloadConfig, build_workload, poisson_arrivals
-from tests.shared_traces import trace_path
-
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from tests.shared_traces import common_prefix_len, trace_path
 
 
 def test_random_workload_lengths_range_and_determinism():

@@ -14,6 +14,7 @@ from deepinfer.bench.trace_formats import TraceOptions, infer_block_tokens, read
 from deepinfer.bench.traces import ShrinkConfig
 from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
+from tests.shared_traces import common_prefix_len
 
 PROFILE = str(Path(__file__).resolve().parents[2] / "benchmarks" / "results"
               / "cost_profile_smollm2_bf16_cpu_1thread.json")
@@ -58,15 +59,6 @@ def write(tmp_path, name: str, text: str) -> str:
     else:
         path.write_text(text)
     return str(path)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_mooncake_is_ms_with_512_token_blocks_whatever_the_extension(tmp_path):
