@@ -8,6 +8,10 @@ and weights) loop on a 4-row decode or a 768-token prefill, and prints each cond
 seconds against the profile's prediction.
 
     .venv/bin/python benchmarks/decode_contention.py --out /tmp/decode_contention.json
+
+The competitors' batches are `deepinfer profile --memory-contention`'s neighbours
+(runtime.profiler.MEMORY_CONTENTION_NEIGHBOURS); `--profiler-check` also runs that measurement
+(`measure_memory_contention`: its steps per CPU-second ratios) and prints it beside this table.
 """
 from __future__ import annotations
 
@@ -43,11 +47,10 @@ def _engine():
 
 def competitor(kind: str, ready: str, seconds: float) -> None:
     """Loop one batch until `seconds` pass (or the parent kills us)."""
-    from deepinfer.runtime.profiler import StepProfiler
+    from deepinfer.runtime.profiler import MEMORY_CONTENTION_NEIGHBOURS, StepProfiler
     engine = _engine()
     profiler = StepProfiler(engine.runner, engine.model_config.vocab_size, seed=3)
-    batch = ((ChunkShape(0, 768),) if kind == "prefill"
-             else tuple(ChunkShape(300, 1) for _ in range(4)))
+    batch = MEMORY_CONTENTION_NEIGHBOURS[kind]
     Path(ready).touch()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -66,6 +69,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the conditions this often")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profiler-check", action="store_true",
+                        help="also run deepinfer profile --memory-contention's measurement")
     parser.add_argument("--competitor", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ready", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
@@ -112,11 +117,23 @@ def main() -> int:
     summary = {n: sum(r["cpu_s"][n] for r in rows) / total_pred - 1 for n in CONDITIONS}
     print("CPU vs profile, all batches: " + ", ".join(f"{n} {v:+.1%}" for n, v in summary.items())
           + f" (load average {load:.2f})")
+    profiler_check = None
+    if args.profiler_check:
+        from deepinfer.runtime.profiler import measure_memory_contention
+        profiler_check = measure_memory_contention(
+            engine.runner, engine.model_config.vocab_size,
+            {"num_threads": 1, "num_kv_blocks": 2048})
+        print(f"deepinfer profile --memory-contention: decode_with_decode "
+              f"{profiler_check['decode_with_decode']:.3f}, decode_with_prefill "
+              f"{profiler_check['decode_with_prefill']:.3f} (4-row decode steps per CPU-s "
+              f"with / alone; load average {profiler_check['load_average']:.2f})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"profile": args.profile, "repeats": args.repeats, "rounds": args.rounds,
                        "load_average_at_end": load, "batches": rows,
-                       "cpu_vs_profile": summary}, f, indent=1)
+                       "cpu_vs_profile": summary,
+                       **({"profiler_check": profiler_check} if profiler_check else {})},
+                      f, indent=1)
     return 0
 
 

@@ -72,6 +72,7 @@ NUM_KV_BLOCKS = 2048
 def measure_profile(path: str, grid: str) -> None:
     subprocess.run(DEEPINFER + ["profile", "--grid", grid, "--threads", "1",
                                 "--kv-cache-memory", "512MiB", "--host-sharing", "4",
+                                "--time-sharing", "--memory-contention",
                                 "--out", path], check=True)
 
 
@@ -300,7 +301,7 @@ def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
         "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
         "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing,
                                  **host_cpu_keys(profile, pools),  # front, client, KV-transfer CPU
-                                 **time_sharing_key(profile)},
+                                 **time_sharing_key(profile), **memory_contention_key(profile)},
         "kv_transfer": measured_link(profile),
         "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
     return dataclasses.replace(cluster, noise=noise)
@@ -312,6 +313,15 @@ def time_sharing_key(profile: str) -> dict:
     with open(profile) as f:
         measured = json.load(f).get("metadata", {}).get("time_sharing")
     return {"time_sharing": "measured"} if measured else {}
+
+
+def memory_contention_key(profile: str) -> dict:
+    """`memory_contention: measured` when the profile has `deepinfer profile
+    --memory-contention`'s numbers (a small decode step slows while another worker steps on
+    another core); nothing otherwise."""
+    with open(profile) as f:
+        measured = json.load(f).get("metadata", {}).get("memory_contention")
+    return {"memory_contention": "measured"} if measured else {}
 
 
 def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
@@ -527,6 +537,8 @@ def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, p
                       if real.get("cpu_s") else None),
         "time_sharing": (dataclasses.asdict(sim_run.simulator.time_sharing)
                          if sim_run.simulator.time_sharing is not None else None),
+        "memory_contention": (dataclasses.asdict(sim_run.simulator.memory_contention)
+                              if sim_run.simulator.memory_contention is not None else None),
         "workers": worker_breakdown(real.get("workers") or {}, sim_run),
         "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
         "errors_at_start_sharing": compare(real["summary"], simulate_workload(
@@ -603,8 +615,9 @@ def print_first_run_details(case: dict) -> None:
     if case["work_error"] is not None:
         print(f"  simulated work vs the workers' measured CPU seconds: "
               f"{100 * case['work_error']:+.1f}%", flush=True)
-    if case.get("time_sharing") and case.get("cpu_error") is not None:
-        print(f"  simulated CPU (work / time-sharing efficiency while time-shared) vs the "
+    if (case.get("time_sharing") or case.get("memory_contention")) \
+            and case.get("cpu_error") is not None:
+        print(f"  simulated CPU (work / time-sharing and memory-contention efficiency) vs the "
               f"same: {100 * case['cpu_error']:+.1f}% (" + ", ".join(
                   f"{k} {v:.1f}" for k, v in case["simulated_cpu_s"].items()) + ")",
               flush=True)

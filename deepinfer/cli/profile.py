@@ -33,9 +33,14 @@ def register(sub) -> None:
     p.add_argument("--time-sharing", action="store_true",
                    help="also measure how much more CPU a step costs while a second process "
                         "time-shares its core (the simulator's host.time_sharing: measured)")
+    p.add_argument("--memory-contention", action="store_true",
+                   help="also measure how much more CPU a small decode step costs while "
+                        "another process runs a decode / a prefill on another core (the "
+                        "simulator's host.memory_contention: measured)")
     p.add_argument("--update", default=None, metavar="PROFILE",
                    help="skip the grid: copy this existing profile, add the host measurements "
-                        "asked for (--time-sharing, --host-sharing) and write it to --out")
+                        "asked for (--time-sharing, --host-sharing, --memory-contention) "
+                        "and write it to --out")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.set_defaults(func=run)
 
@@ -48,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host_sharing < 0:
         raise CLIError("--host-sharing must be >= 0")
     if args.update is not None:
-        if not (args.time_sharing or args.host_sharing):
-            raise CLIError("--update needs --time-sharing or --host-sharing")
+        if not (args.time_sharing or args.host_sharing or args.memory_contention):
+            raise CLIError("--update needs --time-sharing, --host-sharing or "
+                           "--memory-contention")
         try:
             with open(args.update) as f:
                 base = json.load(f)
@@ -149,6 +155,13 @@ def _measure_sharing(args, engine, metadata: dict) -> None:
                 "model": args.model, "dtype": args.dtype, "device": args.device,
                 "num_threads": 1, "kv_cache_memory": args.kv_cache_memory,
                 "block_size": args.block_size})
+    if args.memory_contention:
+        from deepinfer.runtime.profiler import measure_memory_contention
+        metadata["memory_contention"] = measure_memory_contention(
+            engine.runner, engine.model_config.vocab_size, {
+                "model": args.model, "dtype": args.dtype, "device": args.device,
+                "num_threads": 1, "kv_cache_memory": args.kv_cache_memory,
+                "block_size": args.block_size})
 
 
 def _print_sharing(metadata: dict) -> None:
@@ -161,6 +174,11 @@ def _print_sharing(metadata: dict) -> None:
         print("work per CPU-second on a time-shared core / alone: " + ", ".join(
             f"{k} {ts[k]:.3f}" for k in ("decode", "large_decode", "prefill") if k in ts)
             + f" (load average {ts['load_average']:.2f})")
+    mc = metadata.get("memory_contention")
+    if mc:
+        print(f"small decode work per CPU-second with a neighbour on another core / alone: "
+              f"decode {mc['decode_with_decode']:.3f}, prefill {mc['decode_with_prefill']:.3f}"
+              f" (load average {mc['load_average']:.2f})")
 
 
 def _update(args, engine, base: dict) -> int:

@@ -446,8 +446,10 @@ TIME_SHARING_BATCHES = {
 TIME_SHARING_COMPETITOR = ((ChunkShape(TIME_SHARING_CONTEXT, 1),) * 16, (ChunkShape(0, 256),))
 
 
-def _time_sharing_child(engine_kwargs: dict, core: int, go, idle, steps) -> None:
-    """The competitor: the same model's steps on `core`, while `go` is set."""
+def _time_sharing_child(engine_kwargs: dict, core: int, go, idle, steps,
+                        competitor: tuple = TIME_SHARING_COMPETITOR) -> None:
+    """The competitor: the same model's steps (`competitor`, in turn) on `core`, while `go`
+    is set."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     from deepinfer.engine.engine_config import EngineConfig
@@ -456,7 +458,7 @@ def _time_sharing_child(engine_kwargs: dict, core: int, go, idle, steps) -> None
     engine = LLMEngine(EngineConfig(**engine_kwargs))
     profiler = StepProfiler(engine.runner, engine.model_config.vocab_size, seed=1)
     outputs = [profiler._make_output(chunks, tag=f"rival{i}")
-               for i, chunks in enumerate(TIME_SHARING_COMPETITOR)]
+               for i, chunks in enumerate(competitor)]
     for output in outputs:  # warm up before the first measurement
         engine.runner.execute(output)
     while True:
@@ -554,3 +556,87 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
         "load_average": os.getloadavg()[0],
     })
     return out
+
+
+# ---- a busy neighbour on the other core ---------------------------------------------------------
+# The step measured: a small decode (the fused decode stack, which streams all the weights).
+MEMORY_CONTENTION_BATCH = (ChunkShape(TIME_SHARING_CONTEXT, 1),) * 4
+# What the neighbour loops: the same small decode, or a compute-bound prefill chunk.
+MEMORY_CONTENTION_NEIGHBOURS = {
+    "decode": MEMORY_CONTENTION_BATCH,
+    "prefill": (ChunkShape(0, 768),),
+}
+
+
+def measure_memory_contention(runner, vocab_size: int, engine_kwargs: dict, *,
+                              cpu_s: float = 1.0, repeats: int = 3) -> dict:
+    """Small decode steps per CPU-second while a neighbour process on ANOTHER core loops a
+    small decode or a prefill chunk, relative to alone (the simulator's
+    `host: {memory_contention: measured}`). This process runs single-threaded pinned to one
+    core, the neighbour to another; alone and with-neighbour alternate, `repeats` rounds,
+    median of the ratios. Two fused decode steps at once share the memory bandwidth / L3
+    (benchmarks/decode_contention.py: +21% CPU); a prefill next door costs little."""
+    import multiprocessing
+
+    if repeats < 1 or cpu_s <= 0:
+        raise ValueError("need repeats >= 1 and cpu_s > 0")
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if len(affinity) < 2:
+        raise ValueError("memory contention needs two cores")
+    core, other = sorted(affinity)[:2]
+    ctx = multiprocessing.get_context("spawn")
+    profiler = StepProfiler(runner, vocab_size, seed=4)
+    outputs = [profiler._make_output(MEMORY_CONTENTION_BATCH, tag="mc-decode")]
+    ratios: dict[str, list[float]] = {k: [] for k in MEMORY_CONTENTION_NEIGHBOURS}
+    alone_all: list[float] = []
+    try:
+        os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        for output in outputs:  # warm-up
+            runner.execute(output)
+        for kind, batch in MEMORY_CONTENTION_NEIGHBOURS.items():
+            go, idle, steps = ctx.Event(), ctx.Event(), ctx.Value("l", 0)
+            child = ctx.Process(target=_time_sharing_child,
+                                args=(engine_kwargs, other, go, idle, steps, (batch,)),
+                                daemon=True)
+            child.start()
+            try:
+                if not idle.wait(300.0):  # loaded its model and warmed up
+                    raise RuntimeError("the neighbour process did not start")
+                for _ in range(repeats):
+                    alone = _steps_per_cpu_second(runner, outputs, cpu_s)
+                    before = steps.value
+                    go.set()
+                    deadline = time.monotonic() + 60.0
+                    while steps.value == before:  # it is running steps, not waking up
+                        if time.monotonic() > deadline or not child.is_alive():
+                            raise RuntimeError("the neighbour process stopped")
+                        os.sched_yield()
+                    shared = _steps_per_cpu_second(runner, outputs, cpu_s)
+                    go.clear()
+                    if not idle.wait(60.0):
+                        raise RuntimeError("the neighbour process did not pause")
+                    alone_all.append(alone)
+                    ratios[kind].append(shared / alone)
+            finally:
+                child.kill()
+                child.join(10.0)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+        runner.execute(SchedulerOutput([], 0, finished_request_ids=[
+            s.request_id for o in outputs for s in o.scheduled]))
+    return {
+        "decode_with_decode": statistics.median(ratios["decode"]),
+        "decode_with_prefill": statistics.median(ratios["prefill"]),
+        "method": "real runner, 1 thread pinned to one core, a second process pinned to "
+                  "another looping a 4-row decode at context 300 (decode) or a 768-token "
+                  "prefill (prefill): 4-row decode steps per CPU-second with / alone, "
+                  "median of alternating rounds",
+        "batch": [[c.context_len, c.num_new_tokens] for c in MEMORY_CONTENTION_BATCH],
+        "neighbours": {k: [[c.context_len, c.num_new_tokens] for c in b]
+                       for k, b in MEMORY_CONTENTION_NEIGHBOURS.items()},
+        "steps_per_cpu_s_alone": statistics.median(alone_all),
+        "rounds": ratios, "cores": [core, other], "cpu_s": cpu_s, "repeats": repeats,
+        "load_average": os.getloadavg()[0],
+    }

@@ -21,6 +21,9 @@ A cluster file (YAML or JSON; `load_cluster_file`) looks like:
                                # CPU consumers on those cores (sim.host_load)
                                # time_sharing: measured | {decode: .., prefill: ..}: a
                                # time-shared core's steps cost more CPU (sim.time_sharing)
+                               # memory_contention: measured | {decode_with_decode: ..,
+                               # decode_with_prefill: ..}: small decode steps slow while
+                               # another worker steps (sim.memory_contention)
     noise:        {step_time_cv: 0.04, arrival_jitter_ms: 2.0, seed: 0}  # optional: a
                                # perturbed run (sim.perturbation); omit for the deterministic one
 
@@ -36,6 +39,7 @@ from typing import Any
 
 from deepinfer.routing.policy_names import check_router_names
 from deepinfer.sim.host_load import HOST_CPU_KEYS, HostCpuSpec, host_cpu_from_dict
+from deepinfer.sim.memory_contention import MemoryContention, memory_contention_from_dict
 from deepinfer.sim.time_sharing import TimeSharing, time_sharing_from_dict
 from deepinfer.sim.perturbation import NoiseSpec
 from deepinfer.sim.roofline import RooflineConfig
@@ -158,6 +162,8 @@ class ClusterSpec:
     host_cpu: HostCpuSpec | None = None  # front / client / KV-transfer CPU (sim.host_load)
     # "measured" (the profile's) or a TimeSharing; None: steps cost the same time-shared
     host_time_sharing: str | TimeSharing | None = None
+    # "measured" (the profile's) or a MemoryContention; None: a neighbour's step costs nothing
+    host_memory_contention: str | MemoryContention | None = None
 
     def __post_init__(self) -> None:
         roles = [p.role for p in self.pools]
@@ -184,6 +190,11 @@ class ClusterSpec:
                     or isinstance(self.host_time_sharing, TimeSharing)):
                 raise ValueError("host.time_sharing must be 'measured' or "
                                  "{decode: .., prefill: .., large_decode: ..}")
+        if self.host_memory_contention is not None and not (
+                self.host_memory_contention == "measured"
+                or isinstance(self.host_memory_contention, MemoryContention)):
+            raise ValueError("host.memory_contention must be 'measured' or "
+                             "{decode_with_decode: .., decode_with_prefill: ..}")
 
     @property
     def disaggregated(self) -> bool:
@@ -269,11 +280,16 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
     link = _build(LinkSpec, "kv_transfer", _check_keys(
         "kv_transfer", data.get("kv_transfer"), {f.name for f in dataclasses.fields(LinkSpec)}))
     host = _check_keys("host", data.get("host"),
-                       {"cores", "sharing", "time_sharing"} | HOST_CPU_KEYS)
+                       {"cores", "sharing", "time_sharing", "memory_contention"} | HOST_CPU_KEYS)
     time_sharing = host.get("time_sharing")
     if isinstance(time_sharing, dict):
         time_sharing = time_sharing_from_dict(_check_keys(
             "host.time_sharing", time_sharing, {"decode", "prefill", "large_decode"}))
+    memory_contention = host.get("memory_contention")
+    if isinstance(memory_contention, dict):
+        memory_contention = memory_contention_from_dict(_check_keys(
+            "host.memory_contention", memory_contention,
+            {"decode_with_decode", "decode_with_prefill"}))
     noise_data = data.get("noise")
     noise = None if noise_data is None else _build(NoiseSpec, "noise", _check_keys(
         "noise", noise_data, {f.name for f in dataclasses.fields(NoiseSpec)}))
@@ -284,7 +300,8 @@ def cluster_from_dict(data: dict, base_dir: str = ".") -> ClusterSpec:
         prefix_store=store, host_cores=host.get("cores"),
         host_sharing=host.get("sharing", "fair"),
         front_latency_ms=float(data.get("front_latency_ms", 0.0)), noise=noise,
-        host_cpu=host_cpu_from_dict(host), host_time_sharing=time_sharing)
+        host_cpu=host_cpu_from_dict(host), host_time_sharing=time_sharing,
+        host_memory_contention=memory_contention)
 
 
 def load_cluster_file(path: str) -> ClusterSpec:

@@ -31,8 +31,11 @@ consumers (front door, client, both ends of a KV transfer: `sim.host_load`, when
 `host` section gives their costs) count as busy threads in the same sharing. With
 `host.time_sharing` (`sim.time_sharing`), while those threads exceed the cores each step also
 advances at its kind's efficiency (a time-shared core refills its caches at every switch);
-`work_time_s` stays the work at full speed, `cpu_time_s` adds what time-sharing costs. Time is
-simulated; nothing reads the clock.
+`work_time_s` stays the work at full speed, `cpu_time_s` adds what time-sharing costs. With
+`host.memory_contention` (`sim.memory_contention`) a small decode step also advances at the
+measured factor while another worker runs a decode (or else a prefill) step on another core
+(they share the memory bandwidth), re-evaluated for every worker whenever any starts or
+finishes a step (under `at-start` too). Time is simulated; nothing reads the clock.
 
 Noise (`cluster.noise`, `sim.perturbation`): each step's time (the step-time model's answer;
 not store loads) × a seeded mean-1 factor per worker, and each arrival a seeded lag late;
@@ -59,6 +62,7 @@ from deepinfer.sim.prefix_store import SimPrefixStore
 from deepinfer.sim.sim_request import SimRequest
 from deepinfer.sim.sim_worker import Handoff, SimWorker, build_scheduler
 from deepinfer.sim.step_time import build_step_time
+from deepinfer.sim.memory_contention import MemoryContention, memory_contention_from_dict
 from deepinfer.sim.time_sharing import TimeSharing, time_sharing_from_dict
 
 SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
@@ -107,6 +111,11 @@ class ClusterSimulator:
         self.transfer_bytes = 0.0
         self._speed_table = self._measured_speeds() if cluster.host_sharing == "measured" else None
         self.time_sharing = self._time_sharing()
+        self.memory_contention = self._memory_contention()
+        # Per worker under memory contention: its step's kind, and its speed before the
+        # contention factor with the time-sharing efficiency in it (set when it is reshared).
+        self._step_kind: dict[str, str] = {}
+        self._base_speed: dict[str, tuple[float, float]] = {}
         # Per worker: the step's efficiency when time-shared, the one in effect since
         # `speed_since_s`, and the CPU seconds its steps cost (work / efficiency).
         self._step_efficiency: dict[str, float] = {}
@@ -140,6 +149,18 @@ class ClusterSimulator:
                 return time_sharing_from_dict(data, metadata.get("small_decode_rows"))
         raise ValueError("host.time_sharing: measured needs a profile measured with "
                          "`deepinfer profile --time-sharing`")
+
+    def _memory_contention(self) -> MemoryContention | None:
+        spec = self.cluster.host_memory_contention
+        if spec != "measured":
+            return spec
+        for worker in self.workers.values():
+            metadata = getattr(getattr(worker.step_model, "cost_model", None), "metadata", {})
+            data = metadata.get("memory_contention")
+            if data:
+                return memory_contention_from_dict(data, metadata.get("small_decode_rows"))
+        raise ValueError("host.memory_contention: measured needs a profile measured with "
+                         "`deepinfer profile --memory-contention`")
 
     # ---- event loop ------------------------------------------------------------------------
     def _at(self, time_s: float, fn: Callable, *args) -> None:
@@ -295,6 +316,8 @@ class ClusterSimulator:
         worker.work_time_s += work_s
         if self.time_sharing is not None:
             self._step_efficiency[worker.worker_id] = self.time_sharing.efficiency(chunks)
+        if self.memory_contention is not None:
+            self._step_kind[worker.worker_id] = self.memory_contention.kind(chunks)
         worker.peak_kv_usage = max(worker.peak_kv_usage, worker.scheduler.kv.usage)
         self._reshare(worker)
 
@@ -331,8 +354,14 @@ class ClusterSimulator:
                    and self.cluster.host_sharing in ("fair", "measured"))
         time_shared = (self.time_sharing is not None
                        and self._busy_threads() > self.cluster.host_cores)
+        # Memory contention depends on what every other worker runs: re-evaluate them all.
+        contention = self.memory_contention
+        update_all = sharing or contention is not None
+        if contention is not None:
+            kinds = {w.worker_id: self._step_kind[w.worker_id]
+                     for w in self.workers.values() if w.busy}
         for w in self.workers.values():
-            if not w.busy or (w is not changed and not sharing):
+            if not w.busy or (w is not changed and not update_all):
                 continue
             efficiency_now = self._efficiency_now.get(w.worker_id, 1.0)
             if w is not changed:
@@ -341,6 +370,15 @@ class ClusterSimulator:
                 w.work_left_s = max(0.0, w.work_left_s - (self.now - w.speed_since_s) * w.speed)
             efficiency = self._step_efficiency.get(w.worker_id, 1.0) if time_shared else 1.0
             w_speed = speed * efficiency if efficiency != 1.0 else speed
+            if contention is not None:
+                if w is changed or sharing:
+                    self._base_speed[w.worker_id] = (w_speed, efficiency)
+                else:  # at-start sharing: its speed was fixed when its step started
+                    w_speed, efficiency = self._base_speed[w.worker_id]
+                factor = contention.efficiency(kinds[w.worker_id], [
+                    k for wid, k in kinds.items() if wid != w.worker_id])
+                if factor != 1.0:
+                    w_speed, efficiency = w_speed * factor, efficiency * factor
             if w is not changed and w.speed == w_speed and efficiency == efficiency_now:
                 continue  # same speed: its scheduled finish still holds
             self._efficiency_now[w.worker_id] = efficiency
@@ -349,7 +387,7 @@ class ClusterSimulator:
             self._at(self.now + w.work_left_s / w_speed, self._finish_step, w, w.step_version)
         if self.host_load is not None:
             self._reshare_jobs(speed, changed)
-        if sharing:  # progress of the others is accounted up to now
+        if update_all:  # progress of the others is accounted up to now
             for w in self.workers.values():
                 if w.busy:
                     w.speed_since_s = self.now

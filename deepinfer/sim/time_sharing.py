@@ -38,14 +38,19 @@ class TimeSharing:
             raise ValueError("time_sharing: small_decode_rows must be >= 0")
 
     def kind(self, chunks: Sequence) -> str:
-        if chunks and all(c.num_new_tokens == 1 for c in chunks):
-            return "decode" if len(chunks) <= self.small_decode_rows else "large_decode"
-        return "prefill"
+        return step_kind(chunks, self.small_decode_rows)
 
     def efficiency(self, chunks: Sequence) -> float:
         kind = self.kind(chunks)
         value = getattr(self, kind)
         return float(self.prefill if value is None else value)
+
+
+def step_kind(chunks: Sequence, small_decode_rows: int = DEFAULT_SMALL_DECODE_ROWS) -> str:
+    """`decode`, `large_decode` or `prefill` (see the module doc)."""
+    if chunks and all(c.num_new_tokens == 1 for c in chunks):
+        return "decode" if len(chunks) <= small_decode_rows else "large_decode"
+    return "prefill"
 
 
 def time_sharing_from_dict(data: dict, small_decode_rows: int | None = None) -> TimeSharing:
