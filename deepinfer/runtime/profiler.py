@@ -541,7 +541,8 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
         torch.set_num_threads(threads)
         runner.execute(SchedulerOutput([], 0, finished_request_ids=[
             s.request_id for outs in outputs.values() for o in outs for s in o.scheduled]))
-    out: dict = {kind: statistics.median(s / a for s, a in zip(shared[kind], alone[kind]))
+    # Sharing never speeds a step up: a median a little over 1 is noise, stored as 1.
+    out: dict = {kind: min(1.0, statistics.median(s / a for s, a in zip(shared[kind], alone[kind])))
                  for kind in outputs}
     out.update({
         "method": "real runner, 1 thread, pinned with a second process running the same "
@@ -627,8 +628,9 @@ def measure_memory_contention(runner, vocab_size: int, engine_kwargs: dict, *,
         runner.execute(SchedulerOutput([], 0, finished_request_ids=[
             s.request_id for o in outputs for s in o.scheduled]))
     return {
-        "decode_with_decode": statistics.median(ratios["decode"]),
-        "decode_with_prefill": statistics.median(ratios["prefill"]),
+        # A neighbour never speeds a step up: a median over 1 is noise, stored as 1.
+        "decode_with_decode": min(1.0, statistics.median(ratios["decode"])),
+        "decode_with_prefill": min(1.0, statistics.median(ratios["prefill"])),
         "method": "real runner, 1 thread pinned to one core, a second process pinned to "
                   "another looping a 4-row decode at context 300 (decode) or a 768-token "
                   "prefill (prefill): 4-row decode steps per CPU-second with / alone, "

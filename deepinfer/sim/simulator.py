@@ -68,6 +68,19 @@ from deepinfer.sim.time_sharing import TimeSharing, time_sharing_from_dict
 SAMPLED_TOKEN_ID = 1  # any id: requests stop on max_tokens (ignore_eos), as `bench serve` asks
 
 
+MEASUREMENT_NOISE = 1.1  # a measured efficiency up to this is read as 1.0 (see below)
+
+
+def measured_at_most_one(data: dict) -> dict:
+    """A profile's measured efficiencies, with ratios in (1, 1.1] read as 1: sharing never speeds
+    a step up, so a ratio a little over 1 is the measurement's noise (profiles written before the
+    profiler clamped them would otherwise be refused); larger ones stay errors."""
+    def read(v):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return 1.0 if number and 1.0 < v <= MEASUREMENT_NOISE else v
+    return {k: read(v) for k, v in data.items()}
+
+
 class ClusterSimulator:
     def __init__(self, cluster: ClusterSpec, *, check_invariants: bool = False) -> None:
         self.cluster = cluster
@@ -146,7 +159,8 @@ class ClusterSimulator:
             metadata = getattr(getattr(worker.step_model, "cost_model", None), "metadata", {})
             data = metadata.get("time_sharing")
             if data:
-                return time_sharing_from_dict(data, metadata.get("small_decode_rows"))
+                return time_sharing_from_dict(measured_at_most_one(data),
+                                              metadata.get("small_decode_rows"))
         raise ValueError("host.time_sharing: measured needs a profile measured with "
                          "`deepinfer profile --time-sharing`")
 
@@ -158,7 +172,8 @@ class ClusterSimulator:
             metadata = getattr(getattr(worker.step_model, "cost_model", None), "metadata", {})
             data = metadata.get("memory_contention")
             if data:
-                return memory_contention_from_dict(data, metadata.get("small_decode_rows"))
+                return memory_contention_from_dict(measured_at_most_one(data),
+                                                   metadata.get("small_decode_rows"))
         raise ValueError("host.memory_contention: measured needs a profile measured with "
                          "`deepinfer profile --memory-contention`")
 

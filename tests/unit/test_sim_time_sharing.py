@@ -128,6 +128,14 @@ def test_measured_reads_the_profile_and_checks_it(tmp_path):
         _sim(1, "measured", profile=_profile_with(tmp_path, {"decode": 1.3, "prefill": 0.9}))
 
 
+def test_measured_noise_just_over_one_reads_as_one(tmp_path):
+    # 1.012 was measured on a quiet box (noise: sharing never speeds a step up); a profile
+    # holding it was refused and the validation crashed before the simulator read it as 1.
+    noisy = {"decode": 1.012, "prefill": 0.96, "large_decode": 0.9}
+    sim = _sim(1, "measured", profile=_profile_with(tmp_path, noisy))
+    assert (sim.time_sharing.decode, sim.time_sharing.prefill) == (1.0, 0.96)
+
+
 def test_profile_update_needs_a_measurement_to_add(tmp_path, capsys):
     out = str(tmp_path / "out.json")
     assert main(["profile", "--update", PROFILE, "--out", out]) == 2
