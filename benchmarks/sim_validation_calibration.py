@@ -91,7 +91,7 @@ def _fit_two(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 def _measure_server(extra_args: list[str]) -> list[dict]:
     """One server: warm-up, then each calibration workload; CPU s of front and client each."""
-    from benchmarks import sim_validation as sv
+    from benchmarks import sim_validation_engine as sv
     from deepinfer.bench.serve_client import run_benchmark
     from deepinfer.bench.workloads import WorkloadConfig, build_workload
 

@@ -34,9 +34,10 @@ deepinfer:cluster_request_retries_total 0.0
 
 
 def test_worker_counters_are_parsed_per_worker_and_compared(monkeypatch):
-    sv = load_script()
+    sv = load_script()  # puts the repository on sys.path, as the script does
+    from benchmarks.sim_validation_engine import worker_counters
     monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(text=METRICS))
-    counters = sv.worker_counters(1234)
+    counters = worker_counters(1234)
     assert counters == {"decode-0": {"engine_steps": 120.0, "model_step_seconds": 2.0,
                                      "loop_step_seconds": 2.6, "process_cpu_seconds": 3.0},
                         "prefill-0": {"engine_steps": 6.0, "prefilled_requests": 2.0,
