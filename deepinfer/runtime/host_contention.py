@@ -112,6 +112,25 @@ def _steps_per_cpu_second(runner, outputs: list, cpu_s: float) -> float:
             return n / used
 
 
+def _alone_then_shared(runner, outputs: list, cpu_s: float, child, go, idle, steps,
+                       who: str) -> tuple[float, float]:
+    """One round: steps per CPU-second with the competitor paused, then once it is running
+    steps again (not merely waking up), then pause it; (alone, shared)."""
+    alone = _steps_per_cpu_second(runner, outputs, cpu_s)
+    before = steps.value
+    go.set()
+    deadline = time.monotonic() + 60.0
+    while steps.value == before:  # it is running steps, not waking up
+        if time.monotonic() > deadline or not child.is_alive():
+            raise RuntimeError(f"the {who} process stopped")
+        os.sched_yield()
+    shared = _steps_per_cpu_second(runner, outputs, cpu_s)
+    go.clear()
+    if not idle.wait(60.0):
+        raise RuntimeError(f"the {who} process did not pause")
+    return alone, shared
+
+
 def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s: float = 1.0,
                          repeats: int = 3, core: int | None = None,
                          batches: dict | None = None) -> dict:
@@ -149,18 +168,10 @@ def measure_time_sharing(runner, vocab_size: int, engine_kwargs: dict, *, cpu_s:
                 runner.execute(output)
         for _ in range(repeats):
             for kind, kind_outputs in outputs.items():
-                alone[kind].append(_steps_per_cpu_second(runner, kind_outputs, cpu_s))
-                before = steps.value
-                go.set()
-                deadline = time.monotonic() + 60.0
-                while steps.value == before:  # it is running steps, not waking up
-                    if time.monotonic() > deadline or not child.is_alive():
-                        raise RuntimeError("the competing process stopped")
-                    os.sched_yield()
-                shared[kind].append(_steps_per_cpu_second(runner, kind_outputs, cpu_s))
-                go.clear()
-                if not idle.wait(60.0):
-                    raise RuntimeError("the competing process did not pause")
+                a, b = _alone_then_shared(runner, kind_outputs, cpu_s, child, go, idle, steps,
+                                          "competing")
+                alone[kind].append(a)
+                shared[kind].append(b)
     finally:
         child.kill()
         child.join(10.0)
@@ -232,18 +243,8 @@ def measure_memory_contention(runner, vocab_size: int, engine_kwargs: dict, *,
                 if not idle.wait(300.0):  # loaded its model and warmed up
                     raise RuntimeError("the neighbour process did not start")
                 for _ in range(repeats):
-                    alone = _steps_per_cpu_second(runner, outputs, cpu_s)
-                    before = steps.value
-                    go.set()
-                    deadline = time.monotonic() + 60.0
-                    while steps.value == before:  # it is running steps, not waking up
-                        if time.monotonic() > deadline or not child.is_alive():
-                            raise RuntimeError("the neighbour process stopped")
-                        os.sched_yield()
-                    shared = _steps_per_cpu_second(runner, outputs, cpu_s)
-                    go.clear()
-                    if not idle.wait(60.0):
-                        raise RuntimeError("the neighbour process did not pause")
+                    alone, shared = _alone_then_shared(runner, outputs, cpu_s, child, go, idle,
+                                                       steps, "neighbour")
                     alone_all.append(alone)
                     ratios[kind].append(shared / alone)
             finally:
