@@ -48,8 +48,15 @@ def ray_cluster():
     # answer; on a loaded 2-core box that start alone can take longer.
     saved_client_timeout = os.environ.get("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S")
     os.environ["RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S"] = "180"
-    # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
-    temp_dir = tempfile.mkdtemp(prefix="dray")
+    # Short (under /tmp, whatever TMPDIR is): Ray's socket paths under it must stay within the
+    # 107-byte limit of AF_UNIX.
+    temp_dir = tempfile.mkdtemp(prefix="dray", dir="/tmp")
+    # Cluster() records its address in <RAY_TMPDIR or TMPDIR or /tmp>/ray/ray_current_cluster
+    # and does not create that folder: point it inside our own temp dir, so a machine where Ray
+    # never ran (no /tmp/ray) behaves like any other.
+    saved_ray_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     with socket.socket() as s:  # the head's Ray Client server (ray://) port
         s.bind(("127.0.0.1", 0))
         client_port = s.getsockname()[1]
@@ -69,7 +76,8 @@ def ray_cluster():
     cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
     for name, saved in (("RAY_memory_monitor_refresh_ms", saved_monitor),
-                        ("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", saved_client_timeout)):
+                        ("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", saved_client_timeout),
+                        ("RAY_TMPDIR", saved_ray_tmpdir)):
         if saved is None:
             os.environ.pop(name, None)
         else:
