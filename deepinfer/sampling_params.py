@@ -30,7 +30,10 @@ class SamplingParams:
 
     Semantics follow vLLM: `temperature == 0` is greedy; `ignore_eos` keeps generating past EOS
     (EOS can still be sampled); `min_tokens` masks EOS and stop tokens until reached;
-    `logprobs=k` returns the sampled token's log-probability and the top-k alternatives.
+    `logprobs=k` returns the sampled token's log-probability and the top-k alternatives;
+    `prompt_logprobs=k` the log-probability of every prompt token after the first (given the
+    tokens before it) with the top-k alternatives at that position: the log-softmax of the
+    model's own logits, never processed (nothing is sampled there).
 
     Logit processing (vLLM's order, before temperature): `allowed_token_ids` keeps only those
     tokens; `logit_bias` adds to a token's logit; `repetition_penalty` divides a positive
@@ -52,6 +55,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -100,6 +104,8 @@ class SamplingParams:
              "min_tokens must not exceed max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              "logprobs must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "stop must be non-empty strings"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,

@@ -74,8 +74,9 @@ class KVCacheManager:
 
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest cached prefix of the request's full blocks; at least one token is left to
-        compute so the step produces logits."""
-        if not self.enable_prefix_caching:
+        compute so the step produces logits. Nothing for a request that needs its prompt
+        log-probs (every position must be computed)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return PrefixHit([], 0)
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -70,6 +70,13 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs are asked for and not all computed yet (nothing is sampled yet, so
+        this holds again after a preemption mid-prompt). Such a prompt is computed, never
+        taken from the prefix cache: a cached block has no logits."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

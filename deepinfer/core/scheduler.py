@@ -282,7 +282,16 @@ class Scheduler:
             num_draft_tokens=num_drafts,
             history_token_ids=list(request.all_token_ids)
             if sample and request.sampling_params.uses_history else None,
+            prompt_logprob_token_ids=self._prompt_logprob_targets(request, start, num_known),
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, num_known: int) -> list[int] | None:
+        """The prompt tokens rows start.. of a chunk predict (None: none asked or left)."""
+        end = min(start + num_known + 1, request.num_prompt_tokens)
+        if not request.needs_prompt_logprobs or end <= start + 1:
+            return None
+        return request.prompt_token_ids[start + 1:end]
 
     # ---- speculative decoding --------------------------------------------------------------
     def max_num_drafts(self, request: Request) -> int:

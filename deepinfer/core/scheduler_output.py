@@ -29,6 +29,10 @@ class ScheduledRequest:
     # them (penalties: SamplingParams.uses_history); None otherwise. The last
     # `num_output_tokens` are the output.
     history_token_ids: list[int] | None = None
+    # Prompt log-probs (SamplingParams.prompt_logprobs): the prompt tokens that rows 0, 1, ...
+    # of this chunk predict (row j, position num_computed_tokens + j, predicts the prompt
+    # token at position num_computed_tokens + j + 1); None when none are asked for.
+    prompt_logprob_token_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -67,16 +71,27 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Log-probs of the prompt tokens at positions `first_position`, `first_position + 1`,
+    ... (one per entry of `logprobs`), computed in one prefill chunk."""
+
+    first_position: int
+    logprobs: list[TokenLogprobs]
+
+
 @dataclass
 class StepResult:
     """What the runner returns for one SchedulerOutput.
 
     A request that verified draft tokens is in `verified_token_ids` instead of
     `sampled_token_ids`: its accepted drafts, then the token the target sampled after them
-    (a correction or a bonus token), with their log-probs in `verified_logprobs`."""
+    (a correction or a bonus token), with their log-probs in `verified_logprobs`. Chunks of
+    requests that ask for prompt log-probs have them in `prompt_logprobs`."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     step_time_s: float = 0.0
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

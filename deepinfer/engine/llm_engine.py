@@ -111,6 +111,7 @@ class LLMEngine:
         self._prediction_abs_error_sum = 0.0
         self._num_predicted_steps = 0
         self._failures: list[RequestFailure] = []
+        self._token_texts: dict[int, str] = {}
         self._num_failed_steps_in_row = 0
         self.num_failed_steps = 0
         self.num_failed_requests = 0
@@ -377,6 +378,10 @@ class LLMEngine:
 
     def _process(self, update: SchedulerUpdate, result: StepResult, now: float) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
+        for child_id, chunk in result.prompt_logprobs.items():
+            state = self._states.get(self._child_parent.get(child_id, ""))
+            if state is not None:
+                state.add_prompt_logprobs(chunk, self.token_text)
         ended = {request.request_id: request for request in update.finished}
         for child_id, token_ids in update.new_token_ids.items():
             state = self._states.get(self._child_parent.get(child_id, ""))
@@ -443,6 +448,13 @@ class LLMEngine:
                 self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
                 seq.output.finish_reason, seq.output.stop_reason = "stop", stop
                 return
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (memoised: prompt log-probs name many tokens, often the same)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _release(self, state: RequestState) -> None:
         self._states.pop(state.request_id, None)

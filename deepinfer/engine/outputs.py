@@ -6,6 +6,29 @@ from dataclasses import dataclass, field
 from deepinfer.core.scheduler_output import TokenLogprobs
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: a token's log-probability at one position, its rank there (1 = the
+    most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt log-probs: None for the first prompt token (nothing predicts it), then per
+# prompt token {token id: Logprob} with the top-k alternatives and the prompt token itself.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def prompt_logprob_entry(lp: TokenLogprobs, token_text) -> dict[int, Logprob]:
+    """One position's vLLM-shaped entry; `token_text(token_id)` gives a token's text."""
+    entry = {t: Logprob(v, i + 1, token_text(t))
+             for i, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+    entry[lp.token_id] = Logprob(lp.logprob, lp.rank, token_text(lp.token_id))
+    return entry
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -41,6 +64,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt: str | None = None
+    # SamplingParams.prompt_logprobs: set once the prompt is computed (shared, do not modify)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

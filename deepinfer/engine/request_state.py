@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.core.scheduler_output import PromptLogprobsChunk, TokenLogprobs
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.engine.outputs import (CompletionOutput, PromptLogprobs, RequestMetrics,
+                                      RequestOutput, prompt_logprob_entry)
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -24,6 +26,35 @@ class RequestState:
     prompt: str | None = None
     sequences: dict[str, SequenceState] = field(default_factory=dict)  # child id -> state
     num_cached_tokens: int = 0
+    # Prompt log-probs: complete (vLLM-shaped) once the last prompt chunk ran; until then the
+    # rows computed so far, by prompt position.
+    prompt_logprobs: PromptLogprobs | None = None
+    _prompt_rows: list[TokenLogprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and len(self.prompt_token_ids) == 1:
+            self.prompt_logprobs = [None]  # nothing to compute
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk, token_text) -> None:
+        """Record one chunk's rows; a recomputed chunk (after a preemption) overwrites its
+        positions, and nothing changes once the prompt is complete (n > 1 children each
+        compute it). `token_text(token_id)` gives the text of a token."""
+        if self.prompt_logprobs is not None:
+            return
+        num_prompt = len(self.prompt_token_ids)
+        if self._prompt_rows is None:
+            self._prompt_rows = [None] * num_prompt
+        end = chunk.first_position + len(chunk.logprobs)
+        if chunk.first_position < 1 or end > num_prompt:
+            raise ValueError(f"prompt log-probs for positions {chunk.first_position}..{end} of "
+                             f"a {num_prompt}-token prompt")
+        self._prompt_rows[chunk.first_position:end] = chunk.logprobs
+        if end == num_prompt:
+            rows, self._prompt_rows = self._prompt_rows, None
+            if any(row is None for row in rows[1:]):
+                raise ValueError("prompt log-probs are missing for some prompt positions")
+            self.prompt_logprobs = [None] + [prompt_logprob_entry(row, token_text)
+                                             for row in rows[1:]]
 
     @property
     def finished(self) -> bool:
@@ -38,4 +69,5 @@ class RequestState:
                                      o.stop_reason, list(o.logprobs) if o.logprobs is not None
                                      else None, o.cumulative_logprob) for o in outputs]
         return RequestOutput(self.request_id, self.prompt_token_ids, snapshot, finished,
-                             self.num_cached_tokens, self.metrics, self.prompt)
+                             self.num_cached_tokens, self.metrics, self.prompt,
+                             self.prompt_logprobs)

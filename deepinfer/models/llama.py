@@ -187,6 +187,11 @@ class LlamaForCausalLM(nn.Module):
         exact = torch.bmm(top_weights, hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
         return logits.scatter_(1, top_ids, exact)
 
+    def logits_weight(self) -> Tensor | None:
+        """The head's plain [vocab, hidden] weight (the embeddings when tied), or None."""
+        head = self.model.embed_tokens if self.lm_head is None else self._plain_lm_head[0]
+        return getattr(head, "weight", None)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, casting to the model dtype.
 

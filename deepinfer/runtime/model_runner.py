@@ -11,6 +11,7 @@ from deepinfer.runtime.cpu_decode_kernel import load_decode_kernel
 from deepinfer.runtime.cpu_prefill_kernel import load_prefill_kernel
 from deepinfer.runtime.input_batch import PersistentInputBatch
 from deepinfer.runtime.kv_cache import PagedKVCache
+from deepinfer.runtime.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from deepinfer.runtime.paged_attention import (AttentionMetadata, DecodeMetadata, PagedAttention,
                                                PrefillChunkMetadata)
 from deepinfer.runtime.sampler import Sampler
@@ -70,21 +71,21 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, attn, input_embeds=embeds)
+        prompt_lps = (compute_prompt_logprobs(self.model, hidden, ordered)
+                      if wants_prompt_logprobs(ordered) else {})
         if self.verifier is not None:  # samples every draft position too
             result = self.verifier.sample(self.model, hidden, ordered)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            result.step_time_s = time.perf_counter() - start
-            return result
-        sampled: dict[str, int] = {}
-        logprobs = {}
-        if sample_reqs:
-            logits = self.model.compute_logits(hidden[sample_idx])  # [N, vocab] fp32
-            token_ids, logprobs = self.sampler.sample(logits, sample_reqs)
-            sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
+        else:
+            result = StepResult({})
+            if sample_reqs:
+                logits = self.model.compute_logits(hidden[sample_idx])  # [N, vocab] fp32
+                token_ids, result.logprobs = self.sampler.sample(logits, sample_reqs)
+                result.sampled_token_ids = {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
+        result.prompt_logprobs = prompt_lps
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(sampled, logprobs, step_time_s=time.perf_counter() - start)
+        result.step_time_s = time.perf_counter() - start
+        return result
 
     def _attention_backend(self, meta: AttentionMetadata):
         """Per-head K/V cache -> PagedAttention; latent (MLA) cache -> PagedMLAAttention."""

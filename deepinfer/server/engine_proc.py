@@ -55,6 +55,7 @@ class OutputDeltaTracker:
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, _SentChoice]] = {}
         self._holdback: dict[str, int] = {}
+        self._prompt_logprobs_sent: set[str] = set()
 
     def add_request(self, request_id: str, params) -> None:
         if params.stop and not params.include_stop_str_in_output:
@@ -66,6 +67,7 @@ class OutputDeltaTracker:
         `num_text_chars` characters and `num_logprobs` logprobs were already sent."""
         self._sent.setdefault(request_id, {})[index] = _SentChoice(
             num_tokens=num_tokens, text_len=num_text_chars, num_logprobs=num_logprobs)
+        self._prompt_logprobs_sent.add(request_id)  # the first delta carried them
 
     def to_delta(self, output) -> RequestDelta:
         sent = self._sent.setdefault(output.request_id, {})
@@ -73,11 +75,17 @@ class OutputDeltaTracker:
         choices = [self._choice_delta(c, sent.setdefault(c.index, _SentChoice()), holdback)
                    for c in output.outputs]
         times = _request_times(output.metrics) if output.finished else None
+        prompt_logprobs = output.prompt_logprobs
+        if prompt_logprobs is not None and output.request_id not in self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent.add(output.request_id)
+        else:
+            prompt_logprobs = None
         if output.finished:
             self.forget([output.request_id])
         return RequestDelta(request_id=output.request_id, choices=choices,
                             finished=output.finished,
-                            num_cached_tokens=int(output.num_cached_tokens or 0), times=times)
+                            num_cached_tokens=int(output.num_cached_tokens or 0), times=times,
+                            prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _choice_delta(completion, sent: _SentChoice, holdback: int) -> ChoiceDelta:
@@ -101,6 +109,7 @@ class OutputDeltaTracker:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
             self._holdback.pop(request_id, None)
+            self._prompt_logprobs_sent.discard(request_id)
 
 
 def _request_times(metrics) -> RequestTimes | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
+from deepinfer.engine.outputs import Logprob
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
 
@@ -85,6 +86,9 @@ class RequestDelta(msgspec.Struct):
     finished: bool
     num_cached_tokens: int = 0
     times: RequestTimes | None = None  # only on the final delta
+    # SamplingParams.prompt_logprobs (vLLM-shaped, engine.outputs.PromptLogprobs): once, on
+    # the first delta after the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class RequestError(msgspec.Struct):

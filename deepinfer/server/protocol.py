@@ -79,8 +79,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
     "echo": _OFF, "add_special_tokens": (None, False),
 }
-# (A request's declared fields never reach this table: completions' `echo` and
-# `add_special_tokens` are checked by the endpoint.)
+# (A request's declared fields never reach this table: completions' `echo`,
+# `add_special_tokens` and `prompt_logprobs` are checked by the endpoint.)
 
 
 class _SamplingFields(BaseModel):
@@ -123,6 +123,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -137,6 +138,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as prompt_logprobs report it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -145,6 +154,8 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # vLLM: None for the first prompt token, then {token id: PromptLogprob} per prompt token
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

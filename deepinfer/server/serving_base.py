@@ -60,10 +60,13 @@ class EngineRequestState:
     choices: list[ChoiceState]
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: list | None = None  # engine.outputs.PromptLogprobs, once computed
 
     def apply(self, delta: RequestDelta) -> None:
         self.num_cached_tokens = delta.num_cached_tokens
         self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for choice_delta in delta.choices:
             self.choices[choice_delta.index].apply(choice_delta)
 
@@ -236,8 +239,8 @@ class OpenAIServing:
                 raise bad_request(f"Token id {token_id} is out of vocabulary "
                                   f"[0, {vocab_size})", param=param)
 
-    def make_sampling_params(self, request, max_tokens: int, logprobs: int | None
-                             ) -> SamplingParams:
+    def make_sampling_params(self, request, max_tokens: int, logprobs: int | None,
+                             prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's params. Values the OpenAI API allows but the engine's float32
         sampling cannot represent are mapped to what they mean (as vLLM does): a temperature
         below 1e-5 is greedy, a top_p below 1e-7 keeps the top token, a top_k of at least
@@ -271,6 +274,7 @@ class OpenAIServing:
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
                 stop=request.stop or [], stop_token_ids=stop_token_ids,
                 ignore_eos=request.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 presence_penalty=request.presence_penalty or 0.0,

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob,
+    random_id,
 )
 from deepinfer.server.serving_base import (
     SSE_DONE, ChoiceState, EngineRequestState, OpenAIServing, StreamCursor, json_logprob,
@@ -84,10 +85,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of other than n is not supported", param="best_of",
                               code="unsupported_parameter")
+        if request.prompt_logprobs is not None and request.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true",
+                              param="prompt_logprobs")
         prompts = self._prompts(request)
         params = [self.make_sampling_params(
-            request, self.resolve_max_tokens(len(p), request.max_tokens), request.logprobs)
-            for p in prompts]
+            request, self.resolve_max_tokens(len(p), request.max_tokens), request.logprobs,
+            request.prompt_logprobs) for p in prompts]
         return prompts, params, self.admit(len(prompts))
 
     async def create(self, request: CompletionRequest):
@@ -117,7 +121,18 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=self._logprobs(choice.logprobs, 0) if request.logprobs is not None
             else None,
             token_ids=choice.token_ids if request.return_token_ids else None,
-            prompt_token_ids=state.prompt_token_ids if request.return_token_ids else None)
+            prompt_token_ids=state.prompt_token_ids if request.return_token_ids else None,
+            prompt_logprobs=self._prompt_logprobs(state.prompt_logprobs)
+            if request.prompt_logprobs is not None else None)
+
+    @staticmethod
+    def _prompt_logprobs(entries) -> list[dict[int, PromptLogprob] | None] | None:
+        if entries is None:
+            return None
+        return [None if e is None else {
+            t: PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
+                             decoded_token=lp.decoded_token) for t, lp in e.items()}
+            for e in entries]
 
     def _logprobs(self, logprobs, text_offset: int) -> CompletionLogprobs:
         out = CompletionLogprobs()

@@ -25,8 +25,9 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "n", "temperature", "top_p
                      "user", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
                      "include_stop_str_in_output", "return_token_ids", "repetition_penalty",
                      "allowed_token_ids", "truncate_prompt_tokens", "add_special_tokens",
+                     "prompt_logprobs",
                      # vLLM options the server rejects unless "off"
-                     "use_beam_search", "bad_words", "prompt_logprobs", "guided_json",
+                     "use_beam_search", "bad_words", "guided_json",
                      "spaces_between_special_tokens", "length_penalty", "priority")
 CHAT_FIELDS = tuple(f for f in COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo",
                                                                 "suffix", "best_of")) + (

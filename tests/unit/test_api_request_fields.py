@@ -138,7 +138,7 @@ def test_bad_values_name_the_field(completion, fields, param):
 # --- options we do not implement: a 400 naming them, unless sent "off" ----------------------
 
 UNSUPPORTED_BOTH = [
-    ("use_beam_search", True), ("prompt_logprobs", 1),
+    ("use_beam_search", True),
     ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
@@ -149,7 +149,7 @@ UNSUPPORTED_CHAT = [
     ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"),
     ("chat_template_kwargs", {"enable_thinking": False}), ("continue_final_message", True),
     ("echo", True), ("add_special_tokens", True), ("modalities", ["text", "audio"]),
-    ("audio", {"voice": "x"}),
+    ("audio", {"voice": "x"}), ("prompt_logprobs", 1),
 ]
 UNSUPPORTED_COMPLETION = [("echo", True), ("suffix", "end"), ("best_of", 3)]
 
