@@ -91,3 +91,15 @@ def llava_checkpoints(tmp_path_factory, default_model_source):
     from tests.integration.llava_checkpoints import llava_dirs
     tokenizer = default_model_source.load_tokenizer()
     return llava_dirs(str(tmp_path_factory.mktemp("llava")), lambda: copy.deepcopy(tokenizer))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quality measurements (tests/integration/test_prompt_logprobs.py, test_perplexity.py): the
+# default model as `deepinfer serve` runs it by default (bfloat16), once per session.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_bf16_llm():
+    from deepinfer import LLM
+    return LLM(model=None, dtype="bfloat16", kv_cache_memory="256MiB", seed=0)

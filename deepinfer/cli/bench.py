@@ -7,12 +7,12 @@ import importlib.util
 
 from deepinfer.cli.errors import CLIError
 
-_KINDS = ("deepinfer.bench.offline", "deepinfer.bench.serve_cli")
+_KINDS = ("deepinfer.bench.offline", "deepinfer.bench.serve_cli", "deepinfer.bench.perplexity")
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline engine throughput (--profile: "
-                                     "op traces), serving load")
+                                     "op traces), serving load, perplexity")
     kinds = p.add_subparsers(dest="bench_kind", required=True, parser_class=type(p))
     for module in _KINDS:
         if importlib.util.find_spec(module) is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.models.moe_config import MLAConfig, MoEConfig, mla_config_from_hf, moe_config_from_hf
+from deepinfer.quant.quant_config import Fp8BlockQuantConfig, quant_config_from_hf
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2",
                            "deepseek_v3")
@@ -64,6 +65,8 @@ class ModelConfig:
     # A vision-language checkpoint's whole HF config (its text_config is what the fields above
     # describe); None for a text-only model.
     vision_language: dict[str, Any] | None = None
+    # How the checkpoint stores its weights (block-scaled FP8); None: unquantized.
+    quantization: Fp8BlockQuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -110,11 +113,7 @@ class ModelConfig:
                 rope_scaling = None
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
-        quant = cfg.get("quantization_config")
-        if quant:  # e.g. DeepSeek-V3's fp8 block-scaled release: dequantize to bf16 first
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise ValueError(f"quantized checkpoints are not supported (quant_method={method!r}); "
-                             "use a bf16/fp32 checkpoint")
+        quantization = quant_config_from_hf(cfg.get("quantization_config"))
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         eos_ids = tuple(dict.fromkeys(int(e) for e in eos_list))
@@ -147,6 +146,7 @@ class ModelConfig:
             sliding_window=cfg.get("sliding_window") if use_sw else None,
             moe=moe_config_from_hf(arch, cfg),
             mla=mla,
+            quantization=quantization,
         )
 
     # ---- sizes for the cost model and the KV cache ---------------------------------------

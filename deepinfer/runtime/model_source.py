@@ -99,5 +99,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
     with torch.device(device):
         model = build_model(source.config, dtype)
-    model.load_weights(source.iter_weights())
+    if source.config.quantization is not None:  # weights stay in the checkpoint's FP8
+        from deepinfer.quant.fp8_checkpoint import load_fp8_weights
+        load_fp8_weights(model, source.checkpoint, source.config.quantization)
+    else:
+        model.load_weights(source.iter_weights())
     return model.eval()

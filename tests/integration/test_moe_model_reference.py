@@ -130,7 +130,8 @@ def test_mixtral_names_and_missing_expert_errors(saved_moe_models):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"n_group": 3}, "n_group"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size"),
 ])
 def test_unsupported_deepseek_config_values_are_load_errors(saved_moe_models, tmp_path, change, message):
     with open(os.path.join(saved_moe_models["deepseek_v3"][1], "config.json")) as f:

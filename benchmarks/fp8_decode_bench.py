@@ -1,0 +1,109 @@
+"""Batch-1 decode of a block-scaled FP8 checkpoint against its bf16 copy: a random
+Qwen3-shaped dense model large enough that every decode step streams its weights from memory,
+written in both layouts (tests/integration/fp8_checkpoints.py converts the bf16 one), loaded
+into two engines in this process, decoded alternately.
+
+    .venv/bin/python benchmarks/fp8_decode_bench.py --json benchmarks/results/fp8_decode.json
+
+Default shape (Qwen3-0.6B's): hidden 1024, intermediate 3072, 28 layers, 16 query / 8 KV heads
+of 128, vocabulary 32000 (smaller than Qwen3's own, so the head does not dominate): 0.44 B
+parameters, 0.88 GB in bf16. Decode tok/s of one request = (tokens - 1) / (last - first token
+time); best and median over `--rounds` alternating rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.integration helpers
+
+
+def write_checkpoints(root: str, args) -> tuple[str, str]:
+    """(fp8 dir, bf16 dir) of one random Qwen3 model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.integration.fp8_checkpoints import write_fp8_pair
+
+    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden,
+                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         head_dim=args.head_dim, max_position_embeddings=4096,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    fp8_dir, bf16_dir = os.path.join(root, "fp8"), os.path.join(root, "bf16")
+    write_fp8_pair(model, fp8_dir, bf16_dir)
+    model.save_pretrained(bf16_dir)  # the bf16 copy (write_fp8_pair left fp32 references)
+    return fp8_dir, bf16_dir
+
+
+def decode_rate(llm, prompt: list[int], num_tokens: int) -> float:
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    m = out.metrics
+    return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args()
+
+    from deepinfer import LLM
+    from deepinfer.quant.fp8_checkpoint import weight_bytes_by_format
+
+    with tempfile.TemporaryDirectory(prefix="fp8-bench-") as root:
+        fp8_dir, bf16_dir = write_checkpoints(root, args)
+        sizes = {k: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+                 for k, d in (("fp8", fp8_dir), ("bf16", bf16_dir))}
+        engines = {name: LLM(model=d, dtype="bfloat16", kv_cache_memory="256MiB", seed=0)
+                   for name, d in (("bf16", bf16_dir), ("fp8", fp8_dir))}
+        prompt = list(range(100, 116))
+        for llm in engines.values():
+            decode_rate(llm, prompt, 8)  # warm-up
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, llm in engines.items():
+                rates[name].append(decode_rate(llm, prompt, args.tokens))
+        resident = {name: weight_bytes_by_format(llm.engine.model) for name, llm in engines.items()}
+    report = {"shape": vars(args), "checkpoint_bytes": sizes, "resident_weight_bytes": resident,
+              "decode_tok_s": rates,
+              "best": {k: max(v) for k, v in rates.items()},
+              "median": {k: statistics.median(v) for k, v in rates.items()},
+              "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                          "platform": platform.platform(), "torch": torch.__version__},
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    report["fp8_over_bf16_median"] = report["median"]["fp8"] / report["median"]["bf16"]
+    for name in engines:
+        print(f"{name:>5}: decode {report['median'][name]:7.1f} tok/s median "
+              f"(best {report['best'][name]:.1f}), checkpoint {sizes[name] / 1e9:.2f} GB, "
+              f"resident {sum(resident[name].values()) / 1e9:.2f} GB")
+    print(f"fp8 / bf16: {report['fp8_over_bf16_median']:.2f}x")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Fused projections and MoE experts over quantized weights.
+
+A fused q/k/v or gate/up projection is one matrix whose parts are stacked by rows. Block-scaled
+FP8 parts stack into one `QuantizedWeight` only when every part but the last ends on a block
+boundary (each scale row covers `block[0]` weight rows): that holds for every released
+checkpoint (dimensions are multiples of 128), and then the fused layer is a plain
+`QuantizedLinear`. Otherwise (small test shapes with partial blocks) the parts stay separate
+matrices and `ConcatQuantizedLinear` concatenates their outputs.
+
+`QuantizedMoEExperts` is `MoEExperts` (moe/layer.py) with one quantized gate/up and one down
+projection module per expert instead of stacked dense tensors; the forward groups the
+(token, expert) pairs the same way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepinfer.quant.quantized_linear import QuantizedLinear
+from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
+
+
+class ConcatQuantizedLinear(nn.Module):
+    """y = [x @ W_0.T | x @ W_1.T | ...] + bias, each W_i its own quantized matrix."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: Tensor | None = None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("fused parts must share in_features")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)  # [..., out_features]
+        return out if self.bias is None else out + self.bias
+
+
+def stackable(parts: list[QuantizedWeight]) -> bool:
+    """Whether the parts concatenate by rows into one weight of the same format, exactly."""
+    first = parts[0]
+    if any(p.format != first.format or p.in_features != first.in_features
+           or p.block != first.block for p in parts):
+        return False
+    if first.format == FP8_BLOCK:
+        return all(p.out_features % first.block[0] == 0 for p in parts[:-1])
+    return True
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight holding `parts`' rows in order (see `stackable`)."""
+    first = parts[0]
+    data = torch.cat([p.data for p in parts], dim=0)
+    scale = None if first.scale is None else torch.cat([p.scale for p in parts], dim=0)
+    return QuantizedWeight(first.format, sum(p.out_features for p in parts), first.in_features,
+                           data, scale, first.block)
+
+
+def fused_quantized_linear(parts: list[QuantizedWeight], bias: Tensor | None = None) -> nn.Module:
+    """The fused projection of `parts` (row order): one QuantizedLinear when they stack."""
+    if len(parts) == 1:
+        return QuantizedLinear(parts[0], bias)
+    if stackable(parts):
+        return QuantizedLinear(stack_rows(parts), bias)
+    return ConcatQuantizedLinear([QuantizedLinear(p) for p in parts], bias)
+
+
+class QuantizedMoEExperts(nn.Module):
+    """Routed experts with quantized weights: expert e computes
+    down_e(silu(gate) * up) with [gate | up] = gate_up_e(x) ([n, 2I])."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module],
+                 intermediate_size: int) -> None:
+        super().__init__()
+        if len(gate_up) != len(down) or not gate_up:
+            raise ValueError("every expert needs a gate/up and a down projection")
+        self.num_experts = len(gate_up)
+        self.intermediate_size = intermediate_size
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+
+    def expert_mlp(self, expert: int, x: Tensor) -> Tensor:
+        """x [n, hidden] through expert `expert` -> [n, hidden]."""
+        gate, up = self.gate_up[expert](x).split(self.intermediate_size, dim=-1)
+        return self.down[expert](F.silu(gate) * up)
+
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """x [T, hidden], topk_weights [T, k] (float), topk_ids [T, k] -> [T, hidden]."""
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [T*k]
+        order = flat_ids.argsort(stable=True)  # pairs grouped by expert
+        token_idx = order // k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        sorted_x = x.index_select(0, token_idx)  # [T*k, hidden]
+        out = torch.empty_like(sorted_x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                out[start:start + count] = self.expert_mlp(expert, sorted_x[start:start + count])
+                start += count
+        weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T*k, 1]
+        return torch.zeros_like(x).index_add_(0, token_idx, (out * weights).to(x.dtype))
