@@ -30,6 +30,11 @@ def load_rank_model(source, dtype: torch.dtype, device: torch.device, make_runti
     runtime = make_runtime(model)
     layers = {f"{name}.": module for name, module in model.named_modules()
               if isinstance(module, ExpertParallelExperts)}
+    if source.config.quantization is not None:  # FP8: the slots take their experts' FP8 weights
+        from deepinfer.quant.fp8_checkpoint import load_fp8_weights
+        load_fp8_weights(model, source.checkpoint, source.config.quantization,
+                         skip_prefixes=tuple(layers))
+        return model.eval(), runtime
     loader = RankExpertLoader(source.config, layers)
     with torch.no_grad():
         load_hf_named_weights(model, loader.filter(source.iter_weights()),

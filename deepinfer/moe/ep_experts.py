@@ -34,7 +34,9 @@ class ForwardProgress:
 class ExpertParallelExperts(nn.Module):
     def __init__(self, num_logical: int, num_physical: int, rank: int, world_size: int,
                  hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 dispatcher: TokenDispatcher) -> None:
+                 dispatcher: TokenDispatcher, fp8_block: tuple[int, int] | None = None) -> None:
+        """`fp8_block`: the slots hold block-scaled FP8 weights (float8_e4m3fn values and
+        float32 `gate_up_scale` / `down_scale` per block) instead of `dtype` ones."""
         super().__init__()
         if num_physical % world_size:
             raise ValueError(f"{num_physical} physical experts do not divide over {world_size} ranks")
@@ -47,10 +49,24 @@ class ExpertParallelExperts(nn.Module):
         self.dispatcher = dispatcher
         dev = torch.get_default_device()
         s = self.slots_per_rank
+        self.fp8_block = fp8_block
+        if fp8_block is not None:
+            dtype = torch.float8_e4m3fn
+            if intermediate_size % fp8_block[0]:
+                raise ValueError(f"expert parallelism with FP8 experts needs moe_intermediate_size "
+                                 f"({intermediate_size}) to be a multiple of the weight block "
+                                 f"({fp8_block[0]}): each slot stacks gate and up")
         self.gate_up_proj = nn.Parameter(torch.empty(s, 2 * intermediate_size, hidden_size, dtype=dtype,
                                                      device=dev), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(s, hidden_size, intermediate_size, dtype=dtype,
                                                   device=dev), requires_grad=False)
+        if fp8_block is not None:
+            def blocks(rows: int, cols: int) -> list[int]:
+                return [s, -(-rows // fp8_block[0]), -(-cols // fp8_block[1])]
+            self.gate_up_scale = nn.Parameter(torch.empty(
+                blocks(2 * intermediate_size, hidden_size), device=dev), requires_grad=False)
+            self.down_scale = nn.Parameter(torch.empty(
+                blocks(hidden_size, intermediate_size), device=dev), requires_grad=False)
         self.register_buffer("log2phy", torch.zeros(num_logical, 1, dtype=torch.long, device=dev),
                              persistent=False)
         self.register_buffer("logcnt", torch.ones(num_logical, dtype=torch.long, device=dev),
@@ -82,10 +98,44 @@ class ExpertParallelExperts(nn.Module):
         self.gate_up_proj.copy_(gate_up_proj.index_select(0, experts))
         self.down_proj.copy_(down_proj.index_select(0, experts))
 
+    def slot_tensors(self) -> list[Tensor]:
+        """The stacked per-slot tensors [slots, ...] that make up an expert (what a move copies)."""
+        if self.fp8_block is None:
+            return [self.gate_up_proj, self.down_proj]
+        return [self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale]
+
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights."""
-        return (self.gate_up_proj[0].numel() * self.gate_up_proj.element_size()
-                + self.down_proj[0].numel() * self.down_proj.element_size())
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors())
+
+    def load_quantized_experts(self, by_expert: dict) -> None:
+        """Fill this rank's FP8 slots from {logical expert: {"gate_proj", "up_proj" |
+        "gate_up_proj", "down_proj": QuantizedWeight}} (every expert, or at least the local
+        slots' ones)."""
+        from deepinfer.quant.fused_quantized import stack_rows
+
+        start = self.local_slot_range.start
+        for slot in range(self.slots_per_rank):
+            w = by_expert[int(self.phy2log[start + slot])]
+            gate_up = w["gate_up_proj"] if "gate_up_proj" in w else stack_rows(
+                [w["gate_proj"], w["up_proj"]])
+            for data, scale, q in ((self.gate_up_proj, self.gate_up_scale, gate_up),
+                                   (self.down_proj, self.down_scale, w["down_proj"])):
+                if q.shape != tuple(data.shape[1:]) or tuple(q.scale.shape) != tuple(scale.shape[1:]):
+                    raise ValueError(f"FP8 expert {self.phy2log[start + slot]} has shape "
+                                     f"{list(q.shape)}, expected {list(data.shape[1:])}")
+                data[slot].copy_(q.data)
+                scale[slot].copy_(q.scale)
+
+    def _slot_weight(self, which: str, slot: int, dtype: torch.dtype) -> Tensor:
+        """Slot `slot`'s gate_up / down weight in `dtype` (FP8 slots dequantized)."""
+        data = getattr(self, f"{which}_proj")[slot]
+        if self.fp8_block is None:
+            return data
+        from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
+        scale = getattr(self, f"{which}_scale")[slot]
+        return QuantizedWeight(FP8_BLOCK, data.shape[0], data.shape[1], data, scale,
+                               self.fp8_block).dequantize(dtype)
 
     def take_slot_load(self) -> Tensor:
         """Pairs routed to each physical slot since the last call [num_physical]; resets."""
@@ -138,9 +188,9 @@ class ExpertParallelExperts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(sorted_x[start:end], self.gate_up_proj[slot])  # [n, 2I]
+            gate_up = F.linear(sorted_x[start:end], self._slot_weight("gate_up", slot, x.dtype))  # [n, 2I]
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[slot])  # [n, hidden]
+            out[start:end] = F.linear(F.silu(gate) * up, self._slot_weight("down", slot, x.dtype))
             start = end
         y = torch.empty_like(out).index_copy_(0, order, out)  # back to batch order
         if batch.weights is not None:

@@ -56,13 +56,19 @@ class ExpertParallelRuntime:
         comm = make_dispatcher(dispatcher, rank, world_size, slots_per_rank, group)
         self.layers: list[ExpertParallelExperts] = []
         self.progress = ForwardProgress()
+        # An FP8 checkpoint's slots hold its FP8 experts (filled by ep/rank_weights.py).
+        quant = getattr(getattr(model, "config", None), "quantization", None)
+        fp8_block = None if quant is None else quant.weight_block_size
+        if fp8_block is not None and load_slots:
+            raise ValueError("FP8 expert slots are filled from the checkpoint (load_slots=False)")
         for i, block in enumerate(blocks):
             full = block.experts
             hidden = full.gate_up_proj.shape[2]
+            self.dtype = full.gate_up_proj.dtype  # the activations' (the model's) dtype
             with torch.device(full.gate_up_proj.device):
                 layer = ExpertParallelExperts(self.num_logical, self.num_physical, rank, world_size,
                                               hidden, full.intermediate_size,
-                                              full.gate_up_proj.dtype, comm)
+                                              full.gate_up_proj.dtype, comm, fp8_block)
             layer.set_mapping(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i])
             if load_slots:
                 layer.load_local_slots(full.gate_up_proj, full.down_proj)
@@ -70,7 +76,6 @@ class ExpertParallelRuntime:
             block.experts = layer  # the full stack is dropped here
             self.layers.append(layer)
         self.hidden_size = hidden
-        self.dtype = self.layers[0].gate_up_proj.dtype
         self.recorder = ExpertLoadRecorder(len(blocks), self.num_logical, self.num_physical,
                                            eplb.window_size) if eplb else None
         self.rebalancer = ExpertRebalancer(self.layers, placement,

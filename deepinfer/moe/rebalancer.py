@@ -198,7 +198,7 @@ class ExpertRebalancer:
                 ops.append(dist.P2POp(dist.isend, _flat_expert(layer, move.source_slot - src * per_rank),
                                       dst, self.group))
             if dst == rank:
-                buf = torch.empty(_expert_numel(layer), dtype=layer.gate_up_proj.dtype,
+                buf = torch.empty(_expert_nbytes(layer), dtype=torch.uint8,
                                   device=layer.gate_up_proj.device)
                 ops.append(dist.P2POp(dist.irecv, buf, src, self.group))
                 received[(move.layer, move.slot)] = buf
@@ -218,17 +218,21 @@ class ExpertRebalancer:
                               _flat_expert(layer, m.source_slot - rank * per_rank))
 
 
-def _expert_numel(layer: ExpertParallelExperts) -> int:
-    return layer.gate_up_proj[0].numel() + layer.down_proj[0].numel()
+def _expert_nbytes(layer: ExpertParallelExperts) -> int:
+    return sum(t[0].numel() * t.element_size() for t in layer.slot_tensors())
 
 
 def _flat_expert(layer: ExpertParallelExperts, local_slot: int) -> torch.Tensor:
-    """A fresh contiguous copy of one slot's weights [gate_up | down] (safe to send/keep)."""
-    return torch.cat([layer.gate_up_proj[local_slot].reshape(-1),
-                      layer.down_proj[local_slot].reshape(-1)])
+    """A fresh contiguous copy of one slot's weights as bytes [gate_up | down | scales...]
+    (safe to send/keep; any dtypes: FP8 values travel with their float32 scales)."""
+    return torch.cat([t[local_slot].contiguous().view(torch.uint8).reshape(-1)
+                      for t in layer.slot_tensors()])
 
 
 def _write_expert(layer: ExpertParallelExperts, local_slot: int, flat: torch.Tensor) -> None:
-    n = layer.gate_up_proj[0].numel()
-    layer.gate_up_proj[local_slot].copy_(flat[:n].view_as(layer.gate_up_proj[local_slot]))
-    layer.down_proj[local_slot].copy_(flat[n:].view_as(layer.down_proj[local_slot]))
+    offset = 0
+    for t in layer.slot_tensors():
+        dest = t[local_slot]
+        n = dest.numel() * dest.element_size()
+        dest.view(torch.uint8).view(-1).copy_(flat[offset:offset + n])
+        offset += n

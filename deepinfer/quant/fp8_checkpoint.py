@@ -204,6 +204,9 @@ def _install_experts(model: nn.Module, plan: _Plan) -> None:
         if sorted(by_expert) != list(range(num)):
             missing = sorted(set(range(num)) - set(by_expert))
             raise ValueError(f"FP8 checkpoint is missing experts {missing[:5]} of {path}")
+        if hasattr(experts, "load_quantized_experts"):  # an expert-parallel rank's slots
+            experts.load_quantized_experts(by_expert)
+            continue
         gate_up, down = [], []
         for e in range(num):
             w = by_expert[e]
@@ -219,8 +222,11 @@ def _install_experts(model: nn.Module, plan: _Plan) -> None:
         _replace(model, path, QuantizedMoEExperts(gate_up, down, inter))
 
 
-def load_fp8_weights(model: nn.Module, checkpoint, quant: Fp8BlockQuantConfig) -> None:
-    """Fill `model` (just built, unfilled) from an FP8 `checkpoint` (an HFCheckpoint)."""
+def load_fp8_weights(model: nn.Module, checkpoint, quant: Fp8BlockQuantConfig,
+                     skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Fill `model` (just built, unfilled) from an FP8 `checkpoint` (an HFCheckpoint).
+    Routed-expert modules with `load_quantized_experts` (an expert-parallel rank's slots)
+    take their experts' weights; their parameters are under `skip_prefixes`."""
     config = model.config
     tensors = read_fp8_tensors(checkpoint.weight_files, config)
     device = next(model.parameters()).device
@@ -229,7 +235,8 @@ def load_fp8_weights(model: nn.Module, checkpoint, quant: Fp8BlockQuantConfig) -
         dense = _install_linears(model, plan)
         _install_experts(model, plan)
         skip = {n for n in tensors if not n.endswith(SCALE_SUFFIX)}
-        load_hf_named_weights(model, _chain(plain_tensors(checkpoint.weight_files, skip), dense))
+        load_hf_named_weights(model, _chain(plain_tensors(checkpoint.weight_files, skip), dense),
+                              skip_prefixes=skip_prefixes)
     logger.info("FP8 checkpoint: %s", ", ".join(
         f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in weight_bytes_by_format(model).items()))
 

@@ -151,6 +151,8 @@ def _build_mtp(config: SpeculativeConfig, engine):
     if model_config.architecture != "deepseek_v3" or num_mtp < 1:
         raise ValueError("speculative method 'mtp' needs a DeepSeek-V3 checkpoint with "
                          "multi-token-prediction layers (num_nextn_predict_layers >= 1)")
+    if model_config.quantization is not None:  # its FP8 tensors would load as raw values
+        raise ValueError("speculative method 'mtp' is not supported with FP8 checkpoints yet")
     weights = list(iter_mtp_weights(engine.source.checkpoint, model_config.num_hidden_layers))
     if not weights:
         raise ValueError(f"speculative method 'mtp': the checkpoint has no multi-token-prediction "

@@ -44,10 +44,12 @@ def fp8_hf_config(kind: str):
                               moe_intermediate_size=160, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=48, num_experts=6,
                               num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    if kind == "deepseek_v3":  # MLA, grouped routing + bias, a shared expert, dense layer 0
+    if kind in ("deepseek_v3", "deepseek_v3_aligned"):
+        # MLA, grouped routing + bias, a shared expert, dense layer 0; "aligned": experts of
+        # 128 rows (expert parallelism stacks each slot's gate and up)
         return DeepseekV3Config(
             **{**common, "num_hidden_layers": 3}, hidden_size=160, intermediate_size=288,
-            moe_intermediate_size=136, n_routed_experts=8, n_shared_experts=1,
+            moe_intermediate_size=136 if kind == "deepseek_v3" else 128, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, num_attention_heads=4,
             q_lora_rank=136, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,

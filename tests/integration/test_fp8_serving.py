@@ -1,7 +1,8 @@
-"""A tiny FP8 DeepSeek-V3 checkpoint (release layout) served by real worker processes: one
+"""Tiny FP8 DeepSeek-V3 checkpoints (release layout) served by real worker processes: one
 prefill and one decode worker give transformers' greedy tokens on the dequantized copy, and a
 request's prompt log-probs (computed by the prefill worker) reach the front with the first
-token, equal to transformers' log-softmax over the prompt."""
+token, equal to transformers' log-softmax over the prompt; an expert-parallel group of two
+ranks equals one FP8 engine while EPLB moves FP8 experts between the ranks."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +75,36 @@ def test_fp8_deepseek_prefill_decode_workers_match_transformers(fp8_deepseek, tm
             assert len(entry) in (2, 3)
     finally:
         harness.close()
+
+
+def test_fp8_deepseek_ep2_group_equals_one_process_across_rebalances(tmp_path,
+                                                                      default_model_source):
+    """Two expert-parallel ranks hold the FP8 experts of their slots (values and scales);
+    EPLB moves them (as bytes) between ranks mid-generation; tokens and log-probs equal one
+    plain FP8 engine's, which equal transformers' on the dequantized copy."""
+    from transformers import AutoModelForCausalLM
+
+    from deepinfer.ep.ep_config import EPConfig
+    from deepinfer.moe.eplb_config import EPLBConfig
+    from tests.integration.expert_parallel_harness import GroupRunner, one_process_outputs
+
+    fp8_dir, ref_dir = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_fp8_pair(fp8_hf_model("deepseek_v3_aligned", seed=52), fp8_dir, ref_dir,
+                   default_model_source.load_tokenizer())
+    reference = TinyReference(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval())
+    prompts = random_prompts(seed=16, lengths=(3, 17, 40, 9, 25, 60))
+    want = one_process_outputs(fp8_dir, prompts)
+    for prompt, (tokens, _) in zip(prompts, want):
+        assert_matches_reference(reference.score(prompt, tokens), "one FP8 process")
+    ep = EPConfig(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                  eplb=EPLBConfig(window_size=4, step_interval=3, num_redundant_experts=2))
+    group = GroupRunner(fp8_dir, ep)
+    try:
+        got = group.generate(prompts)
+        for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, want)):
+            assert tokens == ref_tokens, f"prompt {i}: {tokens} != {ref_tokens}"
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, f"prompt {i}"
+        eplb = group.client.groups[0]
+        assert eplb.num_rebalances >= 2 and eplb.moved_bytes > 0, "no FP8 expert moved"
+    finally:
+        group.close()
