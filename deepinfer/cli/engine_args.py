@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from deepinfer.quant.quantization_mode import QUANTIZATION_CHOICES
 from deepinfer.sampling_params import LOGPROBS_MODES
 
 
@@ -12,6 +13,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help="GGUF file, HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="weight format, as vLLM: default the checkpoint's own (a GGUF file's "
+                        "quantized blocks computed natively on CPU); none | bf16 expand every "
+                        "weight to --dtype; gguf; int8 quantizes bf16/fp32 weights at load "
+                        "(per-channel weights, per-token activations)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--kv-cache-memory", default="4GiB",
                    help="memory for KV blocks, e.g. 512MiB, 4GiB")
@@ -60,7 +66,8 @@ def engine_config_from_args(args: argparse.Namespace):
             step_time_budget_ms=args.step_time_budget_ms, cost_profile=args.cost_profile,
             seed=args.seed, served_model_name=args.served_model_name,
             speculative_config=getattr(args, "speculative_config", None),
-            logprobs_mode=getattr(args, "logprobs_mode", LOGPROBS_MODES[0]))
+            logprobs_mode=getattr(args, "logprobs_mode", LOGPROBS_MODES[0]),
+            quantization=getattr(args, "quantization", None))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
 
