@@ -71,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
 
     from deepinfer import LLM
-    from deepinfer.quant.fp8_checkpoint import weight_bytes_by_format
+    from deepinfer.quant.quantized_model import weight_bytes_by_format
 
     with tempfile.TemporaryDirectory(prefix="fp8-bench-") as root:
         fp8_dir, bf16_dir = write_checkpoints(root, args)

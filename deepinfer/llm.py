@@ -27,8 +27,9 @@ class LLM:
         shared = {}
         if share_weights_with is not None:
             other = share_weights_with.engine
-            if other.config.model != model or other.config.dtype != dtype:
-                raise ValueError("share_weights_with needs the same model and dtype")
+            if (other.config.model != model or other.config.dtype != dtype
+                    or other.config.quantization != config.quantization):
+                raise ValueError("share_weights_with needs the same model, dtype and quantization")
             shared = dict(source=other.source, model=other.model, tokenizer=other.tokenizer)
         self.engine = LLMEngine(config, **shared)
         self._counter = itertools.count()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from deepinfer.arg_groups import group
+from deepinfer.quant.quantization_mode import QUANTIZATION_CHOICES
 from deepinfer.sampling_params import LOGPROBS_MODES
 
 
@@ -14,6 +15,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="GGUF file, HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
                    help="activation and (unquantized) weight dtype")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="weight format, as vLLM: default the checkpoint's own (a GGUF file's "
+                        "quantized blocks computed natively on CPU, an FP8 checkpoint's "
+                        "block-scaled FP8); none | bf16 expand every weight to --dtype; gguf; "
+                        "int8 quantizes bf16/fp32 weights at load (per-channel weights, "
+                        "per-token activations); fp8")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed (requests without their own seed draw from it)")
@@ -74,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace):
             step_time_budget_ms=args.step_time_budget_ms, cost_profile=args.cost_profile,
             seed=args.seed, served_model_name=args.served_model_name,
             speculative_config=getattr(args, "speculative_config", None),
-            logprobs_mode=getattr(args, "logprobs_mode", LOGPROBS_MODES[0]))
+            logprobs_mode=getattr(args, "logprobs_mode", LOGPROBS_MODES[0]),
+            quantization=getattr(args, "quantization", None))
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from None
 

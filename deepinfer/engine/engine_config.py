@@ -32,6 +32,9 @@ class EngineConfig:
     # deepinfer.spec.spec_config.SpeculativeConfig, or its dict / JSON form (vLLM's shape)
     speculative_config: Any = None
     logprobs_mode: str = LOGPROBS_MODES[0]  # what logprobs report (vLLM's --logprobs-mode)
+    # weight format (vLLM's --quantization): None = the checkpoint's own (GGUF blocks computed
+    # natively on CPU); "none"/"bf16" expand; "gguf"; "int8" (W8A8) -- quant/quantization_mode.py
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -50,6 +53,11 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {self.logprobs_mode!r}")
+        if self.quantization is not None:
+            from deepinfer.quant.quantization_mode import QUANTIZATION_CHOICES
+            if self.quantization not in QUANTIZATION_CHOICES:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                                 f"got {self.quantization!r}")
         from deepinfer.spec.spec_config import SpeculativeConfig
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))

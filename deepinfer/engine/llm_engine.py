@@ -17,6 +17,7 @@ from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describe, pin_step_fault
+from deepinfer.quant.quantized_model import weight_bytes_by_format
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
 from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
@@ -59,10 +60,12 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.source.name
         self.tokenizer = tokenizer or self.source.load_tokenizer()
         if model is None:
-            model = load_model(self.source, self.dtype, self.device)
+            model = load_model(self.source, self.dtype, self.device, config.quantization)
             if self.device.type == "cpu":
                 logger.info("packed %d linear layers for oneDNN; fused kernels in %d modules",
                             pack_linear_weights(model), install_elementwise_kernels(model))
+            logger.info("weights: %s", ", ".join(f"{fmt} {num / 2 ** 20:.1f} MiB" for fmt, num
+                                                  in sorted(weight_bytes_by_format(model).items())))
         self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)

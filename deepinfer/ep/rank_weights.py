@@ -34,6 +34,12 @@ def load_rank_model(source, dtype: torch.dtype, device: torch.device, make_runti
         from deepinfer.quant.fp8_checkpoint import load_fp8_weights
         load_fp8_weights(model, source.checkpoint, source.config.quantization,
                          skip_prefixes=tuple(layers))
+        if device.type == "cpu":
+            from deepinfer.runtime.cpu_quant_linear import install_quant_kernels, load_quant_linear
+            install_quant_kernels(model)
+            kernel = load_quant_linear()
+            for layer in layers.values():
+                layer.kernel = kernel
         return model.eval(), runtime
     loader = RankExpertLoader(source.config, layers)
     with torch.no_grad():

@@ -25,6 +25,7 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
 from deepinfer.models.model_config import ModelConfig
 from deepinfer.models.weight_mapping import load_hf_named_weights
+from deepinfer.quant.quantized_linear import QuantizedLinear
 
 
 # Per row, how many of the largest low-precision logits compute_logits recomputes in fp32.
@@ -164,9 +165,12 @@ class LlamaForCausalLM(nn.Module):
         ties. The top `NUM_EXACT_LOGITS` of each row are therefore recomputed in fp32 from
         the same weights: greedy picks and top probabilities are exact, the tail stays rounded.
         A packed head whose small-batch kernel takes the rows (CPU, <= 8 rows) gives fp32
-        logits directly (its dots are fp32 before any rounding): no rounding, no recompute.
+        logits directly (its dots are fp32 before any rounding): no rounding, no recompute;
+        so does a quantized head (its kernel's dots are fp32) for any number of rows.
         """
         head = self.logits_linear if self.logits_linear is not None else self.lm_head
+        if isinstance(head, QuantizedLinear):  # float32 dots straight from the kernel
+            return head.logits_f32(hidden)
         logits_f32 = getattr(head, "logits_f32", None)
         if logits_f32 is not None and hidden.dtype == torch.bfloat16 and hidden.shape[0] > 0:
             logits = logits_f32(hidden)

@@ -50,6 +50,10 @@ class ExpertParallelExperts(nn.Module):
         dev = torch.get_default_device()
         s = self.slots_per_rank
         self.fp8_block = fp8_block
+        self._fp8_views: list | None = None
+        # FP8 slots: the quantized linear kernel (runtime/cpu_quant_linear.py), set by the
+        # loader once it passed its self-test; None: dequantize-then-matmul.
+        self.kernel = None
         if fp8_block is not None:
             dtype = torch.float8_e4m3fn
             if intermediate_size % fp8_block[0]:
@@ -127,15 +131,22 @@ class ExpertParallelExperts(nn.Module):
                 data[slot].copy_(q.data)
                 scale[slot].copy_(q.scale)
 
-    def _slot_weight(self, which: str, slot: int, dtype: torch.dtype) -> Tensor:
-        """Slot `slot`'s gate_up / down weight in `dtype` (FP8 slots dequantized)."""
-        data = getattr(self, f"{which}_proj")[slot]
+    def _slot_linear(self, x: Tensor, which: int, slot: int) -> Tensor:
+        """x @ W.T for slot `slot`'s gate_up (which=0) or down (1) weight. An FP8 slot goes
+        through the quantized kernel when one is set and takes it, else is dequantized."""
         if self.fp8_block is None:
-            return data
-        from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
-        scale = getattr(self, f"{which}_scale")[slot]
-        return QuantizedWeight(FP8_BLOCK, data.shape[0], data.shape[1], data, scale,
-                               self.fp8_block).dequantize(dtype)
+            return F.linear(x, (self.gate_up_proj, self.down_proj)[which][slot])
+        if self._fp8_views is None:  # views of the slot tensors: moves write in place
+            from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
+            self._fp8_views = [tuple(
+                QuantizedWeight(FP8_BLOCK, data.shape[1], data.shape[2], data[s], scale[s],
+                                self.fp8_block)
+                for data, scale in ((self.gate_up_proj, self.gate_up_scale),
+                                    (self.down_proj, self.down_scale)))
+                for s in range(self.slots_per_rank)]
+        weight = self._fp8_views[slot][which]
+        out = None if self.kernel is None else self.kernel.linear(x, weight, None)
+        return out if out is not None else F.linear(x, weight.dequantize(x.dtype))
 
     def take_slot_load(self) -> Tensor:
         """Pairs routed to each physical slot since the last call [num_physical]; resets."""
@@ -188,9 +199,9 @@ class ExpertParallelExperts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(sorted_x[start:end], self._slot_weight("gate_up", slot, x.dtype))  # [n, 2I]
+            gate_up = self._slot_linear(sorted_x[start:end], 0, slot)  # [n, 2I]
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self._slot_weight("down", slot, x.dtype))
+            out[start:end] = self._slot_linear(F.silu(gate) * up, 1, slot)  # [n, hidden]
             start = end
         y = torch.empty_like(out).index_copy_(0, order, out)  # back to batch order
         if batch.weights is not None:

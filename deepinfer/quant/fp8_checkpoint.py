@@ -237,45 +237,10 @@ def load_fp8_weights(model: nn.Module, checkpoint, quant: Fp8BlockQuantConfig,
         skip = {n for n in tensors if not n.endswith(SCALE_SUFFIX)}
         load_hf_named_weights(model, _chain(plain_tensors(checkpoint.weight_files, skip), dense),
                               skip_prefixes=skip_prefixes)
-    logger.info("FP8 checkpoint: %s", ", ".join(
-        f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in weight_bytes_by_format(model).items()))
+    logger.info("FP8 checkpoint: %d fused / %d single linear layers and %d expert groups "
+                "kept in FP8", len(plan.fused), len(plan.single), len(plan.experts))
 
 
 def _chain(*iterables):
     for it in iterables:
         yield from it
-
-
-def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
-    """Resident weight bytes by storage format ("fp8_block", "bfloat16", ...), each storage
-    once: quantized weights (values and scales), parameters, and every tensor a module keeps
-    besides them (packed copies, plain copies for small-batch kernels). Rotary tables are
-    derived from the config, not weights, and are left out."""
-    from deepinfer.layers.rotary import RotaryEmbedding
-
-    seen: set[tuple[int, int]] = set()
-    totals: dict[str, int] = defaultdict(int)
-
-    def add(key: str, tensor: Tensor | None) -> None:
-        # A tensor's own bytes, not its storage's: weights may share one huge-page arena.
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            ident = (tensor.data_ptr(), nbytes)
-        except RuntimeError:  # an opaque (oneDNN-packed) tensor
-            ident = (id(tensor), nbytes)
-        if ident not in seen and nbytes:
-            seen.add(ident)
-            totals[key] += nbytes
-
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            continue
-        held = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
-        for value in held:
-            if isinstance(value, QuantizedWeight):
-                for tensor in (value.data, value.scale):
-                    if tensor is not None:
-                        add(value.format, tensor)
-            elif isinstance(value, Tensor):
-                add(str(value.dtype).removeprefix("torch."), value)
-    return dict(totals)

@@ -3,9 +3,9 @@
 A fused q/k/v or gate/up projection is one matrix whose parts are stacked by rows. Block-scaled
 FP8 parts stack into one `QuantizedWeight` only when every part but the last ends on a block
 boundary (each scale row covers `block[0]` weight rows): that holds for every released
-checkpoint (dimensions are multiples of 128), and then the fused layer is a plain
-`QuantizedLinear`. Otherwise (small test shapes with partial blocks) the parts stay separate
-matrices and `ConcatQuantizedLinear` concatenates their outputs.
+checkpoint (dimensions are multiples of 128), and then the fused layer holds one matrix.
+Otherwise (small test shapes with partial blocks) the `QuantizedLinear` keeps the parts as
+separate matrices and puts their outputs side by side.
 
 `QuantizedMoEExperts` is `MoEExperts` (moe/layer.py) with one quantized gate/up and one down
 projection module per expert instead of stacked dense tensors; the forward groups the
@@ -19,23 +19,6 @@ from torch import Tensor, nn
 
 from deepinfer.quant.quantized_linear import QuantizedLinear
 from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
-
-
-class ConcatQuantizedLinear(nn.Module):
-    """y = [x @ W_0.T | x @ W_1.T | ...] + bias, each W_i its own quantized matrix."""
-
-    def __init__(self, parts: list[QuantizedLinear], bias: Tensor | None = None) -> None:
-        super().__init__()
-        if len({p.in_features for p in parts}) != 1:
-            raise ValueError("fused parts must share in_features")
-        self.parts = nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = torch.cat([p(x) for p in self.parts], dim=-1)  # [..., out_features]
-        return out if self.bias is None else out + self.bias
 
 
 def stackable(parts: list[QuantizedWeight]) -> bool:
@@ -58,13 +41,12 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                            data, scale, first.block)
 
 
-def fused_quantized_linear(parts: list[QuantizedWeight], bias: Tensor | None = None) -> nn.Module:
-    """The fused projection of `parts` (row order): one QuantizedLinear when they stack."""
-    if len(parts) == 1:
-        return QuantizedLinear(parts[0], bias)
-    if stackable(parts):
-        return QuantizedLinear(stack_rows(parts), bias)
-    return ConcatQuantizedLinear([QuantizedLinear(p) for p in parts], bias)
+def fused_quantized_linear(parts: list[QuantizedWeight], bias: Tensor | None = None) -> QuantizedLinear:
+    """The fused projection of `parts` (row order): one matrix when they stack, else a
+    QuantizedLinear of several parts (outputs side by side)."""
+    if len(parts) > 1 and stackable(parts):
+        parts = [stack_rows(parts)]
+    return QuantizedLinear(parts, bias)
 
 
 class QuantizedMoEExperts(nn.Module):

@@ -3,8 +3,9 @@ in one C call (kernels/decode_stack.c).
 
 At batch 1 the per-op path spends about as much CPU in Python and torch's dispatch (~12 ops per
 layer) as in its weight reads; one call per step removes that. `install_decode_stack(model)`
-collects each layer's weight pointers once (after weight packing: the small-batch GEMV's plain
-weight copies, no new copy) and sets `model.model.decode_stack`; `LlamaModel.forward` hands a
+collects each layer's weight descriptors once (runtime/cpu_stack_weights.py: bf16 weights --
+after weight packing, the small-batch GEMV's plain copies -- or quantized ones in any format of
+the weight contract, no new copy) and sets `model.model.decode_stack`; `LlamaModel.forward` hands a
 step to it when `DecodeStack.applies` (a PagedAttention step whose rows are all decode rows, at
 most 8 of them, no input embeddings). DEEPINFER_DECODE_STACK=0 keeps the per-op path.
 
@@ -25,32 +26,31 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer.runtime.cpu_kernel_build import load_kernel_library, mismatch, self_test
+from deepinfer.runtime.cpu_stack_weights import (quantize_modules_for_test, slot_descriptors,
+                                                 tensors_of)
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # the kernel's STACK_MAX_ROWS
 _P, _INT, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _P, _F, _F, _P, _P, _P, _P, _P, _P, _P, _P, _INT, _INT, _P, _I64, _INT, _P, _INT]
+_ARGTYPES = [_P, _P, _P, _F, _F, _P, _P, _P, _P, _P, _P, _P, _P, _INT, _INT, _P, _I64, _INT, _P,
+             _INT, _INT]
 # (hidden, heads, kv heads, head dim, intermediate, bias): GQA groups 1/2/4, head dims 16-128,
 # intermediate sizes below, at and past the 256-wide SiLU chunk.
 _SELF_TEST_SHAPES = [(64, 4, 2, 16, 96, True), (96, 6, 3, 32, 256, False),
                      (128, 2, 1, 64, 300, True), (256, 2, 2, 128, 520, False)]
+# Quantized models: (shape, formats of qkv q|k, qkv v, o, gate_up, down, embedding); a qkv of
+# two formats is two parts; widths of whole 32- / 256-value blocks, partial fp8 tiles.
+_QUANT_SELF_TESTS = [((64, 4, 2, 16, 96, True), ("q4_1", "q8_0", "q4_0", "q4_1", "q8_0", "q8_0")),
+                     ((256, 2, 2, 128, 512, False), ("q4_k", "q6_k", "q5_k", "q4_k", "q6_k", "q4_k")),
+                     ((96, 6, 3, 16, 160, True), ("int8", "int8", "fp8_block", "int8", "fp8_block",
+                                                  "q8_0"))]
 _SELF_TEST_TOL = 5e-2  # the per-op torch path rounds in other places (oneDNN, SDPA)
+_QUANT_SELF_TEST_ATOL = 3e-2
 
 
 def enabled() -> bool:
     return os.environ.get("DEEPINFER_DECODE_STACK", "1") != "0"
-
-
-def _plain_weight(linear: nn.Module) -> Tensor | None:
-    """The [out, in] bf16 weight a linear computes with, without copying: nn.Linear's, or the
-    plain copy a PackedLinear keeps for the small-batch kernel (None if it kept none)."""
-    weight = getattr(linear, "plain_weight", None)
-    if weight is None and isinstance(linear, nn.Linear):
-        weight = linear.weight
-    if weight is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-        return None
-    return weight
 
 
 def _ptr(tensor: Tensor | None) -> int:
@@ -60,30 +60,35 @@ def _ptr(tensor: Tensor | None) -> int:
 class DecodeStack:
     """One model's layer pointers and the C entry point; call with a decode-only step."""
 
-    def __init__(self, lib: ctypes.CDLL, model: nn.Module) -> None:
-        """`model`: a LlamaModel whose layers `stack_unsupported` accepted."""
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, isa: int = 0) -> None:
+        """`model`: a LlamaModel whose layers `stack_unsupported` accepted; `isa`: the quantized
+        GEMVs' instruction set (the per-op quantized kernel's, so both compute alike)."""
         self._fn = lib.decode_stack_bf16
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = _INT
+        self._isa = isa
         layers = model.layers
         attn0 = layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
-        self.hidden = model.embed_tokens.weight.shape[1]
-        rows, self._keep = [], []  # _keep: every tensor whose pointer the table holds
+        self.hidden = model.embed_tokens.embedding_dim
+        rows, slots, self._keep = [], [], []  # _keep: every tensor a pointer of the tables names
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors = [layer.input_layernorm.weight, _plain_weight(attn.qkv_proj),
-                       attn.qkv_proj.bias, _plain_weight(attn.o_proj), attn.o_proj.bias,
-                       layer.post_attention_layernorm.weight, _plain_weight(mlp.gate_up_proj),
-                       _plain_weight(mlp.down_proj)]
+            tensors = [layer.input_layernorm.weight, attn.qkv_proj.bias, attn.o_proj.bias,
+                       layer.post_attention_layernorm.weight]
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self._keep.extend(t for t in tensors if t is not None)
+            self._keep.extend(t for m in linears for t in tensors_of(m))
             rows.append([_ptr(t) for t in tensors])
+            slots.append(torch.stack([slot_descriptors(m) for m in linears]))
         self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
+        self._weight_descs = torch.stack(slots).contiguous()  # [L, 4, parts, 8]
         self._dims = torch.tensor([len(layers), self.hidden, attn0.num_heads, self.num_kv_heads,
                                    self.head_dim, layers[0].mlp.intermediate_size,
-                                   model.embed_tokens.weight.shape[0],
+                                   model.embed_tokens.num_embeddings,
                                    model.rotary.cos_sin_cache.shape[0]], dtype=torch.int32)
-        self._embed = model.embed_tokens.weight
+        self._embed_desc = slot_descriptors(model.embed_tokens)[0].contiguous()
+        self._keep.extend(tensors_of(model.embed_tokens))
         self._norm = model.norm.weight
         self._eps = model.norm.eps
         self._scale = self.head_dim ** -0.5
@@ -116,12 +121,12 @@ class DecodeStack:
         ids, positions = input_ids.contiguous(), positions.contiguous()
         slots, tables, lens = meta.slot_mapping, decode.block_ids, decode.context_lens
         out = torch.empty(num, self.hidden, dtype=torch.bfloat16)
-        rc = self._fn(self._layer_ptrs.data_ptr(), self._dims.data_ptr(), self._eps, self._scale,
-                      self._embed.data_ptr(), self._norm.data_ptr(), self._cos_sin.data_ptr(),
-                      ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                      lens.data_ptr(), num, tables.numel() // num, cache.kv.data_ptr(),
-                      cache.num_blocks, cache.spec.block_size, out.data_ptr(),
-                      torch.get_num_threads())
+        rc = self._fn(self._layer_ptrs.data_ptr(), self._weight_descs.data_ptr(),
+                      self._dims.data_ptr(), self._eps, self._scale, self._embed_desc.data_ptr(),
+                      self._norm.data_ptr(), self._cos_sin.data_ptr(), ids.data_ptr(),
+                      positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                      num, tables.numel() // num, cache.kv.data_ptr(), cache.num_blocks,
+                      cache.spec.block_size, out.data_ptr(), torch.get_num_threads(), self._isa)
         if rc == 3:
             raise IndexError("decode stack: a token id, position, slot or block id is out of range")
         if rc != 0:
@@ -138,8 +143,10 @@ def stack_unsupported(lib: ctypes.CDLL, model: nn.Module) -> str | None:
     layers = getattr(model, "layers", None)
     if not layers:
         return "no layers"
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.embed_tokens.weight.device.type != "cpu":
+    if model.norm.weight.dtype != torch.bfloat16 or model.norm.weight.device.type != "cpu":
         return "not a bf16 CPU model"
+    if slot_descriptors(model.embed_tokens) is None:
+        return "an embedding table the stack cannot read"
     cos_sin = model.rotary.cos_sin_cache
     if cos_sin.dtype != torch.bfloat16 or not cos_sin.is_contiguous():
         return "rotary table is not contiguous bf16"
@@ -151,9 +158,12 @@ def stack_unsupported(lib: ctypes.CDLL, model: nn.Module) -> str | None:
             return "q/k norm"
         if not hasattr(attn, "qkv_proj") or attn.num_heads % attn.num_kv_heads:
             return "not GQA attention"
-        if any(_plain_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                  mlp.down_proj)):
-            return "a linear keeps no plain bf16 weight"
+        if any(slot_descriptors(m) is None for m in (attn.qkv_proj, attn.o_proj,
+                                                     mlp.gate_up_proj, mlp.down_proj)):
+            return "a linear keeps no plain bf16 weight, or has parts the kernels do not take"
+        if any(getattr(m, "kernel", True) is None for m in (attn.qkv_proj, attn.o_proj,
+                                                            mlp.gate_up_proj, mlp.down_proj)):
+            return "a quantized linear without its verified kernel"
         if any(b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous())
                for b in (attn.qkv_proj.bias, attn.o_proj.bias)):
             return "a bias is not contiguous bf16"
@@ -216,20 +226,46 @@ def _decode_step(model, gen: torch.Generator, rows: int, block_size: int = 4):
     return cache, meta, ids, positions
 
 
-def decode_stack_mismatch(lib: ctypes.CDLL) -> str | None:
+def _self_test_models(gen: torch.Generator, isa: int | None):
+    """(name, model) for each self-test case: the bf16 shapes, then (when the quantized kernel
+    loaded, `isa` not None) the quantized ones."""
+    for shape in _SELF_TEST_SHAPES:
+        yield str(shape), shape, _random_model(*shape, gen)
+    if isa is None:
+        return
+    from deepinfer.runtime.cpu_quant_linear import install_quant_kernels
+    for shape, formats in _QUANT_SELF_TESTS:
+        model = _random_model(*shape, gen)
+        quantize_modules_for_test(model, formats, gen)
+        if not install_quant_kernels(model):
+            return
+        yield f"{shape} {'/'.join(formats)}", shape, model
+
+
+def _atol(model, want: Tensor) -> float:
+    """bf16 models: _SELF_TEST_TOL. Quantized ones also round activations to int8, where the
+    per-op path's torch norms and attention (other bf16 roundings) move a code now and then:
+    _QUANT_SELF_TEST_ATOL of the largest value (a wrong kernel is off by O(1) of it)."""
+    from deepinfer.quant.quantized_model import quantized_modules
+
+    if not quantized_modules(model):
+        return _SELF_TEST_TOL
+    return max(_SELF_TEST_TOL, _QUANT_SELF_TEST_ATOL * want.float().abs().max().item())
+
+
+def decode_stack_mismatch(lib: ctypes.CDLL, isa: int | None = None) -> str | None:
     """First disagreement of the stack with the plain torch path (hidden states and the K/V it
-    writes), or None."""
+    writes), or None. `isa`: also check quantized models with the quantized kernel's ISA."""
     from deepinfer.runtime.paged_attention import PagedAttention
 
     gen = torch.Generator().manual_seed(0)
     old_threads = torch.get_num_threads()
     try:
-        for shape in _SELF_TEST_SHAPES:
-            model = _random_model(*shape, gen)
+        for name, shape, model in _self_test_models(gen, isa):
             problem = stack_unsupported(lib, model.model)
             if problem is not None:
-                return f"{shape}: {problem}"
-            stack = DecodeStack(lib, model.model)
+                return f"{name}: {problem}"
+            stack = DecodeStack(lib, model.model, isa or 0)
             for rows in (1, 3, MAX_ROWS):
                 cache, meta, ids, positions = _decode_step(model, gen, rows)
                 want_cache = _clone_cache(cache)
@@ -239,12 +275,12 @@ def decode_stack_mismatch(lib: ctypes.CDLL) -> str | None:
                     got_cache = _clone_cache(cache)
                     attn = PagedAttention(got_cache, meta, shape[1])
                     if not stack.applies(ids, attn):
-                        return f"{shape}, rows={rows}: the stack does not apply"
-                    case = f"decode stack {shape}, rows={rows}, threads={num_threads}"
-                    problem = (mismatch(stack(ids, positions, attn), want, _SELF_TEST_TOL,
-                                        _SELF_TEST_TOL, case)
+                        return f"{name}, rows={rows}: the stack does not apply"
+                    case = f"decode stack {name}, rows={rows}, threads={num_threads}"
+                    got = stack(ids, positions, attn)
+                    problem = (mismatch(got, want, _SELF_TEST_TOL, _atol(model, want), case)
                                or mismatch(got_cache.kv, want_cache.kv, _SELF_TEST_TOL,
-                                           _SELF_TEST_TOL, case + " (K/V written)"))
+                                           _atol(model, want_cache.kv), case + " (K/V written)"))
                     if problem is not None:
                         return problem
                 torch.set_num_threads(old_threads)
@@ -261,24 +297,38 @@ def _clone_cache(cache):
     return copy
 
 
-@functools.lru_cache(maxsize=1)
-def load_decode_stack_library() -> ctypes.CDLL | None:
-    """The verified library, or None (disabled, no compiler, or it disagrees with torch)."""
-    if not enabled():
-        return None
+def _quant_isa() -> int | None:
+    """The verified quantized kernel's ISA, or None when it is unavailable."""
+    from deepinfer.runtime.cpu_quant_linear import load_quant_linear
+
+    kernel = load_quant_linear()
+    return None if kernel is None else kernel.isa
+
+
+@functools.lru_cache(maxsize=4)
+def _verified_library(isa: int | None) -> ctypes.CDLL | None:
     lib = load_kernel_library("decode_stack")
     if lib is None:
         return None
     lib.decode_stack_supported.argtypes = [_INT, _INT]
     lib.decode_stack_supported.restype = _INT
     with torch.inference_mode():
-        ok = self_test(lib, "decode_stack_bf16", lambda: decode_stack_mismatch(lib))
+        ok = self_test(lib, f"decode_stack_bf16[quantized isa {isa}]",
+                       lambda: decode_stack_mismatch(lib, isa))
     return lib if ok else None
+
+
+def load_decode_stack_library() -> ctypes.CDLL | None:
+    """The verified library, or None (disabled, no compiler, or it disagrees with torch)."""
+    if not enabled():
+        return None
+    return _verified_library(_quant_isa())
 
 
 def install_decode_stack(model: nn.Module) -> bool:
     """Give a bf16 CPU dense Llama-family `model` (LlamaForCausalLM) the fused decode stack;
-    True when installed. Call after weight packing (the stack points at the plain weights)."""
+    True when installed. Call after weight packing (the stack points at the plain weights)
+    and after the quantized layers got their kernels (runtime.cpu_quant_linear)."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "decode_stack") or not enabled():
         return False
@@ -289,5 +339,5 @@ def install_decode_stack(model: nn.Module) -> bool:
     if problem is not None:
         logger.info("decode stack not used: %s", problem)
         return False
-    inner.decode_stack = DecodeStack(lib, inner)
+    inner.decode_stack = DecodeStack(lib, inner, _quant_isa() or 0)
     return True

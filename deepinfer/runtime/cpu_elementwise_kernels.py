@@ -125,8 +125,13 @@ def silu_and_mul_mismatch(kernels: ElementwiseKernels) -> str | None:
 
 def _module_dtype(module: nn.Module) -> torch.dtype | None:
     """The dtype of the first parameter or buffer: after cpu_linear_packing an MLP's weights
-    are packed buffers (looking at parameters alone missed every packed MLP)."""
-    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    are packed buffers (looking at parameters alone missed every packed MLP). Quantized
+    weights' codes and scales say nothing about the activations and are skipped."""
+    from deepinfer.quant.quantized_model import quantized_modules
+
+    skip = {id(t) for m in quantized_modules(module) for t in m.buffers()}
+    tensor = next((t for t in itertools.chain(module.parameters(), module.buffers())
+                   if id(t) not in skip), None)
     return None if tensor is None else tensor.dtype
 
 

@@ -109,7 +109,7 @@ def _plain_weights_to_huge_pages(model: nn.Module, weights: list[Tensor]) -> Non
     taken (PackedLinear.plain_weight, the stack's pointers)."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if (hasattr(model, "logits_linear") and getattr(model, "lm_head", None) is None
-            and embed is not None and embed.weight.device.type == "cpu"
+            and isinstance(embed, nn.Embedding) and embed.weight.device.type == "cpu"
             and embed.weight.dtype == torch.bfloat16):
         weights = [*weights, embed.weight]
     moved = move_to_huge_pages(weights) if weights else 0
@@ -120,8 +120,10 @@ def _plain_weights_to_huge_pages(model: nn.Module, weights: list[Tensor]) -> Non
 def _pack_tied_lm_head(model: nn.Module) -> int:
     """A tied LM head shares the embedding table, which must stay plain for lookups: pack a
     copy for the logits matmul (64 decode rows x 49152 vocab: 4.4 -> 2.5 ms)."""
-    if not hasattr(model, "logits_linear") or getattr(model, "lm_head", None) is not None:
-        return 0
+    if (not hasattr(model, "logits_linear") or getattr(model, "lm_head", None) is not None
+            or model.logits_linear is not None
+            or not isinstance(model.model.embed_tokens, nn.Embedding)):
+        return 0  # untied, already served (a quantized table's head), or not a plain table
     embed = model.model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.bfloat16:
         return 0

@@ -22,9 +22,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from deepinfer.models.model_config import ModelConfig
+from deepinfer.quant.quantized_weight import QuantizedWeight
 from deepinfer.runtime.gguf_file import GGUFFile
 from deepinfer.models.registry import architecture_from_gguf
 
+# GGUF block types computed natively (quantized_weight.py's formats); others are expanded.
+NATIVE_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
+                GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
+                GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}
 # Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute).
 _PERMUTED_QK_ARCHS = ("llama", "mistral")
 
@@ -83,6 +88,21 @@ def dequantize_tensor(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Te
         bits = np.ascontiguousarray(data).view(np.int16)  # raw bf16 bit patterns
         return torch.from_numpy(bits.copy()).view(torch.bfloat16)
     return torch.from_numpy(dequantize(data, qtype))
+
+
+_PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _native_weight(t, heads: int | None) -> QuantizedWeight:
+    """A GGUF matrix's block bytes as a QuantizedWeight (rows un-permuted by row index:
+    blocks run along a row, so a row permutation moves whole rows of bytes)."""
+    rows, cols = t.shape
+    data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # owned copy, [rows, row bytes]
+    weight = QuantizedWeight(NATIVE_TYPES[t.tensor_type], rows, cols, data)
+    if heads is None:
+        return weight
+    order = unpermute_qk_rows(torch.arange(rows), heads)
+    return weight.select_rows(order)
 
 
 def served_name_from_path(path: str) -> str:
@@ -160,19 +180,32 @@ class GGUFCheckpoint:
 
     # ---- weights and tokenizer --------------------------------------------------------
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for every parameter tensor, q/k rows restored to HF layout."""
+    def quantized_types(self) -> set[str]:
+        """Names of the block-quantized GGUF types of the file's weight matrices."""
+        return {t.tensor_type.name for t in self.file.tensors
+                if len(t.shape) == 2 and t.tensor_type not in _PLAIN_TYPES}
+
+    def iter_weights(self, native: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF name, tensor) for every parameter tensor, q/k rows restored to HF layout.
+        `native`: matrices in a NATIVE_TYPES format come as `QuantizedWeight`s (their block
+        bytes copied out of the file, no dequantization); the rest as tensors."""
         cfg = self.config
         permuted = cfg.architecture in _PERMUTED_QK_ARCHS and self.gguf_architecture in _PERMUTED_QK_ARCHS
         for t in self.file.tensors:
             if t.name == _ROPE_FREQS:
                 continue
             name = gguf_to_hf_name(t.name)
-            tensor = dequantize_tensor(t.data, t.tensor_type)
+            heads = None
             if permuted and ".self_attn.q_proj." in name:
-                tensor = unpermute_qk_rows(tensor, cfg.num_attention_heads)
+                heads = cfg.num_attention_heads
             elif permuted and ".self_attn.k_proj." in name:
-                tensor = unpermute_qk_rows(tensor, cfg.num_key_value_heads)
+                heads = cfg.num_key_value_heads
+            if native and len(t.shape) == 2 and t.tensor_type in NATIVE_TYPES:
+                yield name, _native_weight(t, heads)
+                continue
+            tensor = dequantize_tensor(t.data, t.tensor_type)
+            if heads is not None:
+                tensor = unpermute_qk_rows(tensor, heads)
             yield name, tensor
 
     def load_tokenizer(self):

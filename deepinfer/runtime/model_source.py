@@ -93,15 +93,35 @@ def resolve_model(model: str | None) -> ModelSource:
     raise FileNotFoundError(f"model not found: {path} (expected a .gguf file or a Hugging Face directory)")
 
 
-def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Build the model class for `source.config` and fill it from the checkpoint."""
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", quantization: str | None = None):
+    """Build the model class for `source.config` and fill it from the checkpoint, in the
+    weight format `quantization` resolves to (quant/quantization_mode.py; None: the
+    checkpoint's own). Quantized layers on CPU get their verified kernels."""
     from deepinfer.models.registry import build_model
+    from deepinfer.quant.quantization_mode import resolve_quantization
 
+    device = torch.device(device)
+    checkpoint = source.checkpoint
+    quantized_types = getattr(checkpoint, "quantized_types", None)
+    mode = resolve_quantization(quantization, is_gguf=quantized_types is not None,
+                                has_quantized=bool(quantized_types and quantized_types()),
+                                device_type=device.type,
+                                is_fp8=source.config.quantization is not None)
     with torch.device(device):
         model = build_model(source.config, dtype)
-    if source.config.quantization is not None:  # weights stay in the checkpoint's FP8
+    if mode == "fp8":  # a block-scaled FP8 checkpoint: its weights stay FP8
         from deepinfer.quant.fp8_checkpoint import load_fp8_weights
-        load_fp8_weights(model, source.checkpoint, source.config.quantization)
+        load_fp8_weights(model, checkpoint, source.config.quantization)
+    elif mode == "gguf":
+        from deepinfer.quant.quantized_model import load_quantized_weights
+        load_quantized_weights(model, checkpoint.iter_weights(native=True))
     else:
         model.load_weights(source.iter_weights())
+    if mode == "int8":
+        from deepinfer.quant.quantized_model import quantize_linears_int8
+        quantize_linears_int8(model)
+    if mode != "none" and device.type == "cpu":
+        from deepinfer.runtime.cpu_quant_linear import install_quant_kernels
+        install_quant_kernels(model)
     return model.eval()

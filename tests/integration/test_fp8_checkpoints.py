@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from deepinfer.quant.fp8_checkpoint import weight_bytes_by_format
-from deepinfer.quant.fused_quantized import ConcatQuantizedLinear, QuantizedMoEExperts
+from deepinfer.quant.fused_quantized import QuantizedMoEExperts
 from deepinfer.quant.quantized_linear import QuantizedLinear
+from deepinfer.quant.quantized_model import weight_bytes_by_format
 from deepinfer.runtime.model_source import load_model, resolve_model
 from tests.integration.engine_checks import generate_checked, token_prompts
 from tests.integration.fp8_checkpoints import FP8_KINDS, fp8_hf_model, write_fp8_pair
@@ -57,29 +57,33 @@ def test_fp8_modules_stay_quantized(fp8_setups):
     def modules(kind):
         return load_model(resolve_model(fp8_setups[kind][1]), torch.bfloat16)
 
+    def num_parts(linear) -> int:
+        assert isinstance(linear, QuantizedLinear) and linear.formats[0] == "fp8_block"
+        return len(linear.parts)
+
     partial, aligned = modules("qwen3_partial"), modules("qwen3_aligned")
-    for model, fused in ((partial, ConcatQuantizedLinear), (aligned, QuantizedLinear)):
+    for model, parts in ((partial, (3, 2)), (aligned, (1, 1))):
         layer = model.model.layers[0]
-        assert isinstance(layer.self_attn.qkv_proj, fused)
-        assert isinstance(layer.mlp.gate_up_proj, fused)
-        assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
+        assert num_parts(layer.self_attn.qkv_proj) == parts[0]
+        assert num_parts(layer.mlp.gate_up_proj) == parts[1]
+        assert num_parts(layer.self_attn.o_proj) == 1
         assert isinstance(model.lm_head, torch.nn.Linear)  # LM head and embeddings stay bf16
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert aligned.model.layers[0].self_attn.qkv_proj.qweight.scale.shape == (4, 2)
     moe = modules("qwen3_moe")
     assert isinstance(moe.model.layers[0].mlp.experts, QuantizedMoEExperts)
-    assert isinstance(moe.model.layers[1].mlp.gate_up_proj, QuantizedLinear)  # 2 x 256: stacked
+    assert num_parts(moe.model.layers[1].mlp.gate_up_proj) == 1  # 2 x 256 rows: stacked
     assert moe.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16  # the router
     ds = modules("deepseek_v3")
     attn = ds.model.layers[1].self_attn
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
-        assert isinstance(getattr(attn, name), QuantizedLinear), name
+        assert num_parts(getattr(attn, name)) == 1, name
     assert attn.kv_b_proj.weight.dtype == torch.bfloat16  # dequantized for the per-head fold
     mlp = ds.model.layers[1].mlp
     assert isinstance(mlp.experts, QuantizedMoEExperts)
-    assert isinstance(mlp.shared_experts.gate_up_proj, ConcatQuantizedLinear)  # 136-row halves
+    assert num_parts(mlp.shared_experts.gate_up_proj) == 2  # 136-row halves
     assert mlp.gate.e_score_correction_bias.dtype == torch.float32
-    assert isinstance(ds.model.layers[0].mlp.gate_up_proj, ConcatQuantizedLinear)
+    assert num_parts(ds.model.layers[0].mlp.gate_up_proj) == 2
 
 
 @pytest.mark.parametrize("kind", ["qwen3_partial", "qwen3_aligned", "qwen3_moe", "deepseek_v3"])
@@ -110,7 +114,7 @@ def test_resident_weights_within_1_15x_of_checkpoint(fp8_setups, kind):
     _, fp8_dir, _, checkpoint_bytes = fp8_setups[kind]
     llm = LLM(model=fp8_dir, dtype="bfloat16", kv_cache_memory="16MiB")
     by_format = weight_bytes_by_format(llm.engine.model)
-    assert by_format["fp8_block"] > 0.6 * checkpoint_bytes
+    assert by_format["fp8_block"] + by_format["fp8_block scales"] > 0.6 * checkpoint_bytes
     assert sum(by_format.values()) <= 1.15 * checkpoint_bytes, by_format
 
 

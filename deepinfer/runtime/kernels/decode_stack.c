@@ -19,12 +19,15 @@
  * lengths p+1, p+2, ...) work too; all K/V of a layer is written before any row attends. */
 #include <stdlib.h>
 #include <omp.h>
-#include "gemv_bf16.h"
+#include "stack_weights.h"
 #include "elementwise_bf16.h"
 #include "decode_attention_bf16.h"
 
-/* Per layer, in `layer_ptrs` [L, P_COUNT]: data pointers (0 = no bias). */
-enum { P_LN1, P_QKV_W, P_QKV_B, P_O_W, P_O_B, P_LN2, P_GU_W, P_DOWN_W, P_COUNT };
+/* Per layer, in `layer_ptrs` [L, P_COUNT]: norm weights and biases (0 = no bias). */
+enum { P_LN1, P_QKV_B, P_O_B, P_LN2, P_COUNT };
+/* Per layer, in `weight_descs` [L, W_COUNT, STACK_PARTS, D_DESC_WORDS]: the weight slots
+ * (stack_weights.h: any format, through stack_gemv). */
+enum { W_QKV, W_O, W_GATE_UP, W_DOWN, W_COUNT };
 /* `dims`: layers, hidden, query heads, KV heads, head dim, intermediate size, vocabulary,
  * rotary table rows. */
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_MAX_POS, D_COUNT };
@@ -46,14 +49,17 @@ static inline int part(int n, int i, int parts) { return (int)((int64_t)n * i / 
 /* Returns 0; 1 for shapes out of range; 2 when scratch memory could not be allocated; 3 for a
  * token id, position, slot or context length outside its table (nothing is read or written).
  *   ids, pos, slots, lens [R] int64; tables [R, W] int64 block ids
- *   embed [vocab, hidden]; cos_sin [max_pos, D] (cos | sin halves per position)
+ *   embed_desc: the [vocab, hidden] table's descriptor (bf16 or quantized)
+ *   cos_sin [max_pos, D] (cos | sin halves per position)
  *   kv [L, 2, num_blocks, BS, KV, D]; out [R, hidden]
- *   scale: the attention scale, as the per-op kernel gets it (head_dim ** -0.5 from Python) */
-int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps, float scale,
-                      const uint16_t *embed, const uint16_t *final_norm, const uint16_t *cos_sin,
+ *   scale: the attention scale, as the per-op kernel gets it (head_dim ** -0.5 from Python)
+ *   isa: the quantized GEMVs' instruction set (the per-op quantized kernel's) */
+int decode_stack_bf16(const int64_t *layer_ptrs, const int64_t *weight_descs,
+                      const int32_t *dims, float eps, float scale, const int64_t *embed_desc,
+                      const uint16_t *final_norm, const uint16_t *cos_sin,
                       const int64_t *ids, const int64_t *pos, const int64_t *slots,
                       const int64_t *tables, const int64_t *lens, int R, int W, uint16_t *kv,
-                      int64_t num_blocks, int BS, uint16_t *out, int num_threads) {
+                      int64_t num_blocks, int BS, uint16_t *out, int num_threads, int isa) {
 #ifndef HAVE_AVX512
     return 1;
 #else
@@ -63,6 +69,18 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps,
         || !decode_stack_supported(NH / KV, D))
         return 1;
     const int G = NH / KV, Q = NH * D, NQKV = Q + 2 * KV * D;
+    const qweight embed = qweight_from_desc(embed_desc);
+    if (!qweight_valid(&embed) || embed.rows != dims[D_VOCAB] || embed.cols != H) return 1;
+    isa = qisa_available(isa);
+    for (int l = 0; l < L; l++) { /* every slot readable, in the shapes the layer needs */
+        const int64_t *d = weight_descs + (int64_t)l * W_COUNT * STACK_PARTS * D_DESC_WORDS;
+        const int rows[W_COUNT] = {NQKV, H, 2 * I, H}, cols[W_COUNT] = {H, Q, H, I};
+        for (int s = 0; s < W_COUNT; s++) {
+            const stack_weight sw = stack_weight_from(d + s * STACK_PARTS * D_DESC_WORDS);
+            if (!stack_weight_valid(&sw, cols[s]) || sw.rows != rows[s]) return 1;
+        }
+    }
+    const int max_k = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     int64_t max_len = 1;
     for (int r = 0; r < R; r++) {
         if (ids[r] < 0 || ids[r] >= dims[D_VOCAB] || pos[r] < 0 || pos[r] >= dims[D_MAX_POS]
@@ -103,21 +121,29 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps,
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         uint16_t *const xn = xns + (size_t)tid * xn_stride;
         float *scores = (float *)malloc(sizeof(float) * (size_t)grows * G * (size_t)max_len);
-        if (!scores) {
-            _Pragma("omp atomic write")
-            failed = 2;
-        }
-        for (int r = tid; r < R; r += nth)
-            memcpy(hid + (size_t)r * H, embed + ids[r] * H, sizeof(uint16_t) * (size_t)H);
+        float *row_tmp = (float *)malloc(sizeof(float) * (size_t)H);
+        stack_scratch scratch = {{NULL}, qact_bytes(R, max_k)};
+        int err = 0;
+        if (!scores || !row_tmp) err = 2;
+        for (int r = tid; r < R && row_tmp; r += nth)
+            stack_embed_row(&embed, ids[r], hid + (size_t)r * H, row_tmp);
         _Pragma("omp barrier")
         for (int l = 0; l < L; l++) {
             const int64_t *p = layer_ptrs + (int64_t)l * P_COUNT;
+            const int64_t *wd = weight_descs + (int64_t)l * W_COUNT * STACK_PARTS * D_DESC_WORDS;
+            const stack_weight w_qkv = stack_weight_from(wd + W_QKV * STACK_PARTS * D_DESC_WORDS);
+            const stack_weight w_o = stack_weight_from(wd + W_O * STACK_PARTS * D_DESC_WORDS);
+            const stack_weight w_gu = stack_weight_from(wd + W_GATE_UP * STACK_PARTS * D_DESC_WORDS);
+            const stack_weight w_down = stack_weight_from(wd + W_DOWN * STACK_PARTS * D_DESC_WORDS);
             const uint16_t *qkv_b = (const uint16_t *)p[P_QKV_B], *o_b = (const uint16_t *)p[P_O_B];
             uint16_t *kc = kv + (int64_t)l * 2 * cache_half, *vc = kc + cache_half;
             for (int r = 0; r < R; r++)
                 rms_norm_row(hid + (size_t)r * H, (const uint16_t *)p[P_LN1], xn + (size_t)r * H, H, eps);
-            gemv_rows_bf16(xn, (const uint16_t *)p[P_QKV_W], qkv_b, NULL, qkv, R, H, NQKV,
-                           part(NQKV, tid, nth), part(NQKV, tid + 1, nth));
+            {
+                stack_input in = stack_input_of(xn, R, H, isa, &scratch);
+                err |= stack_gemv(&w_qkv, &in, qkv_b, NULL, qkv, NQKV, part(NQKV, tid, nth),
+                                  part(NQKV, tid + 1, nth));
+            }
             _Pragma("omp barrier")
             for (int r = tid; r < R; r += nth) { /* RoPE on q|k in place, then K/V to the cache */
                 uint16_t *row = qkv + (size_t)r * NQKV;
@@ -136,18 +162,20 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps,
                                             KV, G, D, BS, h, scale, scores, max_len);
                 }
             _Pragma("omp barrier")
-            gemv_rows_bf16(att, (const uint16_t *)p[P_O_W], o_b, hid, hid, R, Q, H,
-                           part(H, tid, nth), part(H, tid + 1, nth));
+            {
+                stack_input in = stack_input_of(att, R, Q, isa, &scratch);
+                err |= stack_gemv(&w_o, &in, o_b, hid, hid, H, part(H, tid, nth), part(H, tid + 1, nth));
+            }
             _Pragma("omp barrier")
             for (int r = 0; r < R; r++)
                 rms_norm_row(hid + (size_t)r * H, (const uint16_t *)p[P_LN2], xn + (size_t)r * H, H, eps);
             { /* gate and up rows of the same columns, then SiLU * up over them: no barrier */
                 const int c0 = part(units, tid, nth) * CHUNK;
                 const int c1 = part(units, tid + 1, nth) * CHUNK < I ? part(units, tid + 1, nth) * CHUNK : I;
-                const uint16_t *gu_w = (const uint16_t *)p[P_GU_W];
                 if (c0 < c1) {
-                    gemv_rows_bf16(xn, gu_w, NULL, NULL, gu, R, H, 2 * (int64_t)I, c0, c1);
-                    gemv_rows_bf16(xn, gu_w, NULL, NULL, gu, R, H, 2 * (int64_t)I, I + c0, I + c1);
+                    stack_input in = stack_input_of(xn, R, H, isa, &scratch);
+                    err |= stack_gemv(&w_gu, &in, NULL, NULL, gu, 2 * (int64_t)I, c0, c1);
+                    err |= stack_gemv(&w_gu, &in, NULL, NULL, gu, 2 * (int64_t)I, I + c0, I + c1);
                     for (int r = 0; r < R; r++)
                         for (int c = c0; c < c1; c += CHUNK) {
                             const uint16_t *g = gu + (size_t)r * 2 * I + c;
@@ -157,12 +185,21 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int32_t *dims, float eps,
                 }
             }
             _Pragma("omp barrier")
-            gemv_rows_bf16(act, (const uint16_t *)p[P_DOWN_W], NULL, hid, hid, R, I, H,
-                           part(H, tid, nth), part(H, tid + 1, nth));
+            {
+                stack_input in = stack_input_of(act, R, I, isa, &scratch);
+                err |= stack_gemv(&w_down, &in, NULL, hid, hid, H, part(H, tid, nth),
+                                  part(H, tid + 1, nth));
+            }
             _Pragma("omp barrier")
         }
         for (int r = tid; r < R; r += nth)
             rms_norm_row(hid + (size_t)r * H, final_norm, out + (size_t)r * H, H, eps);
+        if (err) {
+            _Pragma("omp atomic write")
+            failed = 2;
+        }
+        stack_scratch_free(&scratch);
+        free(row_tmp);
         free(scores);
     }
     free(xns);

@@ -1,0 +1,124 @@
+/* The one GEMV entry over a weight descriptor (quant_formats.h) that dispatches on the format:
+ * rows [n0, n1) of W times M input rows, written with the bias (and a residual) the way the
+ * bf16 kernels write theirs. Shared by quant_linear.c (the per-op layers) and decode_stack.c
+ * (the fused stack), so both compute the same bits.
+ *
+ *   bf16 activations: quantized once per step (quant_act.h), int8 dot products per ISA
+ *                     (AVX-512 VNNI, AVX2, portable); fp8 weights take bf16 dot products
+ *   float32 activations: the exact path: each weight row dequantized to float32
+ *                     (dequant_row_f32) and dotted in float32, no activation rounding
+ *
+ * Rows of more than QACT_MAX_M inputs run in chunks of QACT_MAX_M over tiles of QTILE_N
+ * weight rows, so a tile is read from memory once and from cache for the other chunks. */
+#ifndef DEEPINFER_QUANT_GEMV_H
+#define DEEPINFER_QUANT_GEMV_H
+#include "quant_dot_avx512.h"
+#include "quant_dot_portable.h"
+
+#define QTILE_N 16
+
+/* The ISA a request may use on this build: the best compiled one at or below `isa`. */
+static inline int qisa_available(int isa) {
+#ifdef HAVE_QUANT_AVX512
+    if (isa >= ISA_AVX512) return ISA_AVX512;
+#endif
+#ifdef HAVE_QUANT_AVX2
+    if (isa >= ISA_AVX2) return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+/* A GEMV's input rows: bf16 rows prepared per activation family, or float32 rows as they are. */
+typedef struct {
+    int M, K, isa;
+    const qact *act[ACT_FAMILIES]; /* bf16 input: the families its weights need, else NULL */
+    const float *x32;              /* float32 input [M, ldx], else NULL */
+    int64_t ldx;
+} qinput;
+
+/* Where a GEMV writes: out[m * ldo + n] = dot + bias[n], as bf16 (rounded once; with
+ * `residual` (may alias out) the rounded product is added to it and rounded again, as torch's
+ * `hidden + linear(x)` in bf16) or float32. bias is bf16 for bf16 outputs, else float32. */
+typedef struct {
+    void *out;
+    int out_f32;
+    int64_t ldo;
+    const void *bias;
+    const uint16_t *residual;
+} qoutput;
+
+static inline void qstore(const qoutput *o, int m, int n, float v) {
+    const int64_t at = (int64_t)m * o->ldo + n;
+    if (o->out_f32) {
+        ((float *)o->out)[at] = v + (o->bias ? ((const float *)o->bias)[n] : 0.f);
+        return;
+    }
+    const uint16_t y = f32_to_bf16(v + (o->bias ? bf16_to_f32(((const uint16_t *)o->bias)[n]) : 0.f));
+    ((uint16_t *)o->out)[at] = o->residual ? f32_to_bf16(bf16_to_f32(o->residual[at]) + bf16_to_f32(y)) : y;
+}
+
+/* float32 dot of a weight row with one input row; one summation order for every M. */
+static inline float f32_dot(const float *restrict w, const float *restrict x, int K) {
+#ifdef HAVE_QUANT_AVX512
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), c1);
+    }
+    for (; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + k), _mm512_maskz_loadu_ps(mask, x + k), c0);
+    }
+    return reduce16(_mm512_add_round_ps(c0, c1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    float s = 0.f;
+    for (int k = 0; k < K; k++) s += w[k] * x[k];
+    return s;
+#endif
+}
+
+/* Dots of weight row n with input rows [m0, m0 + mm), mm <= QACT_MAX_M (bf16 inputs). */
+static inline void qrow_dots(const qweight *w, int64_t n, const qinput *in, int m0, int mm,
+                             float *dots) {
+    const qact *a = in->act[qact_family(in->isa, w->format)];
+#ifdef HAVE_QUANT_AVX512
+    if (in->isa == ISA_AVX512) {
+        QROWS_AVX512[w->format][mm](w, n, a, m0, dots);
+        return;
+    }
+#endif
+#ifdef HAVE_QUANT_AVX2
+    if (in->isa == ISA_AVX2) {
+        avx2_rows(w, n, a, m0, dots, mm);
+        return;
+    }
+#endif
+    scalar_rows(w, n, a, m0, dots, mm);
+}
+
+/* Rows [n0, n1) of `w` for every input row. `wrow` is K floats of scratch for the float32
+ * path (NULL for bf16 inputs). */
+static void qgemv_rows(const qweight *w, const qinput *in, const qoutput *o, int n0, int n1,
+                       float *wrow) {
+    const int M = in->M;
+    if (in->x32) {
+        for (int n = n0; n < n1; n++) {
+            dequant_row_f32(w, n, wrow);
+            for (int m = 0; m < M; m++) qstore(o, m, n, f32_dot(wrow, in->x32 + m * in->ldx, in->K));
+        }
+        return;
+    }
+    for (int nt = n0; nt < n1; nt += QTILE_N) {
+        const int nend = nt + QTILE_N < n1 ? nt + QTILE_N : n1;
+        for (int m0 = 0; m0 < M; m0 += QACT_MAX_M) {
+            const int mm = M - m0 < QACT_MAX_M ? M - m0 : QACT_MAX_M;
+            for (int n = nt; n < nend; n++) {
+                float dots[QACT_MAX_M];
+                qrow_dots(w, n, in, m0, mm, dots);
+                for (int m = 0; m < mm; m++) qstore(o, m0 + m, n, dots[m]);
+            }
+        }
+    }
+}
+#endif
