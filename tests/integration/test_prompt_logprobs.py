@@ -85,10 +85,12 @@ def test_chunked_batched_and_n_children_give_the_same_values(make_engine_llm, pr
     assert all(len(e) == 1 for e in got[1:])  # k = 0: the prompt token alone
 
 
-def test_bfloat16_prompt_logprobs_are_close(default_bf16_llm, prompt_ids, reference_logprobs):
-    """bf16 weights and activations: the prompt token's value is recomputed in fp32 from
-    the head, so even tokens far down the distribution are within bf16's activation error."""
-    out = generate_checked(default_bf16_llm, [{"prompt_token_ids": prompt_ids}],
+def test_bfloat16_prompt_logprobs_are_close(prompt_ids, reference_logprobs):
+    """bf16 weights and activations (the GGUF expanded to bf16): the prompt token's value is
+    recomputed in fp32 from the head, so even tokens far down the distribution are within
+    bf16's activation error."""
+    llm = LLM(model=None, dtype="bfloat16", quantization="none", kv_cache_memory="64MiB", seed=0)
+    out = generate_checked(llm, [{"prompt_token_ids": prompt_ids}],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
     got = [out.prompt_logprobs[p][t].logprob for p, t in enumerate(prompt_ids) if p > 0]
     want = [float(reference_logprobs[p - 1, t]) for p, t in enumerate(prompt_ids) if p > 0]
