@@ -50,8 +50,8 @@ from benchmarks.sim_validation_calibration import (  # noqa: E402
     configure, format_host_cpu, host_cpu_keys, simulated_host_cpu)
 from benchmarks.sim_validation_engine import DEEPINFER, NUM_KV_BLOCKS, serve_and_bench  # noqa: E402
 from benchmarks.sim_validation_report import (  # noqa: E402
-    compare, format_p50_position, format_repeat_rows, p50_position, repeat_rows,
-    summary_from_dict)
+    compare, format_first_gap, format_p50_position, format_repeat_rows, measured_first_gap,
+    p50_position, repeat_rows, summary_from_dict)
 from deepinfer.bench.latency_stats import finite_json  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
@@ -59,6 +59,7 @@ from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E4
 from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
 from deepinfer.sim.perturbation import NoiseSpec  # noqa: E402
 from deepinfer.sim.sampling import sample_runs, samples_report  # noqa: E402
+from deepinfer.sim.sim_report import first_decode_gap  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
@@ -300,7 +301,7 @@ def loaded_runs(paths: list[str], name: str) -> list[dict]:
 def run_json(run: dict) -> dict:
     """What the JSON keeps of each measured run."""
     keep = ("hit_rate", "load_average", "cpu_s", "send_lag_ms", "first_token_times_ms",
-            "ttfts_ms", "first_error", "source")
+            "ttfts_ms", "first_error", "source", "workers")
     return {"summary": dataclasses.asdict(run["summary"]),
             **{k: run.get(k) for k in keep if k in run}}
 
@@ -367,6 +368,9 @@ def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, p
         "memory_contention": (dataclasses.asdict(sim_run.simulator.memory_contention)
                               if sim_run.simulator.memory_contention is not None else None),
         "workers": worker_breakdown(real.get("workers") or {}, sim_run),
+        "first_decode_gap": {
+            "measured": [measured_first_gap(r.get("workers") or {}) for r in runs],
+            "simulated": first_decode_gap(sim_run.records)},
         "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
         "errors_at_start_sharing": compare(real["summary"], simulate_workload(
             sim_cluster(profile, pools, "at-start"), workload).summary()),
@@ -439,6 +443,10 @@ def print_first_run_details(case: dict) -> None:
         print(format_host_cpu(case["simulated_host_cpu_s"]), flush=True)
     for worker_id, row in case["workers"].items():
         print_worker(worker_id, row)
+    gap = case.get("first_decode_gap") or {}
+    line = format_first_gap((gap.get("measured") or [None])[0], gap.get("simulated"))
+    if line:
+        print(line, flush=True)
     if case["work_error"] is not None:
         print(f"  simulated work vs the workers' measured CPU seconds: "
               f"{100 * case['work_error']:+.1f}%", flush=True)
