@@ -16,7 +16,8 @@ entries), the factor by which both efficiencies must be divided to reproduce it,
 deployment is predicted with the geometric mean of the two, without refitting.
 
 MTP (DeepSeek's multi-token prediction): a decode step verifies `1 + mtp_draft_tokens` tokens
-per sequence (that many decode rows) and emits `1 + mtp_acceptance · mtp_draft_tokens`.
+per sequence (that many GEMM rows and attention queries over one KV read,
+`RooflineConfig.mtp_draft_tokens`) and emits `1 + mtp_acceptance · mtp_draft_tokens`.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def roofline_config(dep: Deployment, efficiency_scale: float,
         mfu=BASE_MFU / efficiency_scale, attn_mfu=BASE_ATTN_MFU / efficiency_scale,
         num_redundant_experts=dep.num_redundant_experts, node_dedup=dep.node_dedup,
         overlap=dep.overlap if overlap is None else overlap, expert_dtype=dep.expert_dtype,
-        dispatch_bytes_per_value=dep.dispatch_bytes_per_value, ep_collective=dep.ep_collective)
+        dispatch_bytes_per_value=dep.dispatch_bytes_per_value, ep_collective=dep.ep_collective,
+        mtp_draft_tokens=dep.mtp_draft_tokens if dep.phase == "decode" else 0)
 
 
 def overlap_from_speedup(parts: dict[str, float], speedup: float) -> float:
@@ -127,8 +129,8 @@ def batch_chunks(dep: Deployment) -> tuple[list[ChunkShape], float]:
         full, rest = divmod(total, dep.prompt_len)
         chunks = [ChunkShape(0, dep.prompt_len)] * full + ([ChunkShape(0, rest)] if rest else [])
         return chunks, float(total)
-    rows = dep.seqs_per_gpu * g
-    chunks = [ChunkShape(dep.prompt_len, 1)] * (rows * (1 + dep.mtp_draft_tokens))
+    rows = dep.seqs_per_gpu * g  # MTP's extra query tokens per row: RooflineConfig
+    chunks = [ChunkShape(dep.prompt_len, 1)] * rows
     return chunks, rows * (1.0 + dep.mtp_acceptance * dep.mtp_draft_tokens)
 
 

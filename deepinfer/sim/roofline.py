@@ -64,6 +64,10 @@ class RooflineConfig:
     # all-to-all: dispatch/combine of each (token, expert) pair (DeepEP); all-gather: every
     # token to every EP rank and a reduce-scatter back (NCCL collectives, vLLM's DP + EP)
     ep_collective: str = "all-to-all"
+    # MTP: each decode row also verifies this many draft tokens (more GEMM rows and attention
+    # queries over the same KV read); the step emits 1 + accepted tokens per row, which the
+    # caller counts (the scheduler still advances one token per step)
+    mtp_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_load", ExpertLoadSpec.from_value(self.expert_load))
@@ -80,6 +84,8 @@ class RooflineConfig:
             raise ValueError(f"expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
         if self.dispatch_bytes_per_value is not None and not self.dispatch_bytes_per_value > 0:
             raise ValueError("dispatch_bytes_per_value must be positive")
+        if self.mtp_draft_tokens < 0:
+            raise ValueError("mtp_draft_tokens must be >= 0")
         if self.ep_collective not in ("all-to-all", "all-gather"):
             raise ValueError(f"ep_collective must be all-to-all or all-gather, got "
                              f"{self.ep_collective!r}")
@@ -146,10 +152,13 @@ class RooflineStepTime:
         its max / mean routed load, is above 1)."""
         m, a, c = self.model, self.accel, self.config
         g = c.num_accelerators
-        tokens = sum(ch.num_new_tokens for ch in chunks) / g
+        rows = 1 + c.mtp_draft_tokens  # query tokens per decode row
+        tokens = sum(ch.num_new_tokens if ch.num_new_tokens > 1 else rows
+                     for ch in chunks) / g
         prefill_pairs = sum(ch.num_new_tokens * (ch.context_len + ch.num_new_tokens / 2)
                             for ch in chunks if ch.num_new_tokens > 1) / g
-        decode_pairs = sum(ch.context_len + 1 for ch in chunks if ch.num_new_tokens == 1) / g
+        decode_pairs = rows * sum(ch.context_len + 1 for ch in chunks
+                                  if ch.num_new_tokens == 1) / g
         kv_tokens = sum(ch.context_len + ch.num_new_tokens for ch in chunks) / g
         flops = a.flops(m.compute_dtype)
         routed = m.num_moe_layers * m.num_experts_per_tok * m.expert_params
