@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit bench system-deps clean
+.PHONY: install run test test-unit docs bench system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: install system-deps
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
+
+# docs/cli.md is generated from the argument parser (a test fails when it is stale).
+docs: install
+	$(BIN)/python -m deepinfer.cli.cli_reference > docs/cli.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 """Small decode steps' CPU cost alone vs with another model process busy on the other core.
 
-Why (issue 14): P=2/D=2 decode workers spend 3-18% more CPU per step than the cost profile
+Why: P=2/D=2 decode workers spend 3-18% more CPU per step than the cost profile
 predicts for the same batch shapes, while a colocated engine, or a P=1/D=1 decode worker whose
 neighbours are idle, matches it within 1%. This times decode-only batches (the fused decode
 stack's range) on a one-thread runner while 0, 1 or 2 competitor processes (their own engine

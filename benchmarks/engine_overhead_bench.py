@@ -1,4 +1,4 @@
-"""Host overhead per engine step (issue 12): offline generation through `LLMEngine.step`, each
+"""Host overhead per engine step: offline generation through `LLMEngine.step`, each
 decode step split into the model forward, the logits, sampling, and the host work around them
 (scheduler, step preparation, output processing).
 

@@ -1,4 +1,4 @@
-"""MoE benchmark (issue 9), two parts, one JSON:
+"""MoE benchmark, two parts, one JSON:
 
 1. layer: `MoEExperts` (tokens sorted by expert, one matmul pair per active expert) vs a naive
    loop over every expert with a boolean mask (what the transformers reference does), at a

@@ -1,4 +1,4 @@
-"""Where a P/D request's inter-token latency goes (issue 14), measured on the engine.
+"""Where a P/D request's inter-token latency goes, measured on the engine.
 
 Starts `deepinfer serve` with P=2 / D=2 (one thread each, an empty fs store), warms it up
 (4 random requests, seed 12345), replays the shrunk Mooncake conversation trace as

@@ -1,5 +1,5 @@
 """Time and profile single runner steps of the default model: batch-1 decode, a W1-sized
-decode batch, and a 512-token prefill (issue 12).
+decode batch, and a 512-token prefill.
 
     .venv/bin/python benchmarks/perf_step_profile.py --json benchmarks/results/perf_step.json
 

@@ -1,4 +1,4 @@
-"""Issue 12 side by side: DeepInfer vs llama.cpp (and optionally vLLM CPU) in one run.
+"""Side by side: DeepInfer vs llama.cpp (and optionally vLLM CPU) in one run.
 
 Same machine, same model (SmolLM2-135M-Instruct: DeepInfer's embedded GGUF; llama.cpp the bf16
 GGUF and vLLM the HF checkpoint that ../shared/peers/setup.sh dequantises from that same file),

@@ -1,5 +1,5 @@
 """Prefill attention alone: the C kernel (runtime/cpu_prefill_kernel.py) vs torch SDPA, as
-PagedAttention._prefill runs them for one layer of one chunk (issue 12); with --ttft also the
+PagedAttention._prefill runs them for one layer of one chunk; with --ttft also the
 default model's 512-token TTFT with the kernel on and off in one engine, alternating.
 
     .venv/bin/python benchmarks/prefill_attention_bench.py --threads 2 --ttft \\

@@ -402,7 +402,7 @@ def print_case(name: str, case: dict) -> None:
     details (sharing models, CPU seconds, per-worker split)."""
     n, k = case["num_measured_runs"], case["num_sim_samples"]
     print(f"[{name}] {n} measured run(s) vs the simulator ("
-          f"{f'{k} perturbed samples' if k else 'deterministic'}); * = issue 14's metrics",
+          f"{f'{k} perturbed samples' if k else 'deterministic'}); * = the headline metrics",
           flush=True)
     print(format_repeat_rows(case["comparison"]), flush=True)
     samples = case["simulated_samples"]

@@ -15,10 +15,10 @@ import math
 from deepinfer.bench.latency_stats import BenchSummary, LatencyStats
 from deepinfer.sim.sampling import band
 
-TARGET = 0.15  # issue 14: within 15%
+TARGET = 0.15  # the validation target: within 15%
 METRICS = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("output_throughput", None),
            ("ttft_ms", "mean"))  # the mean: not on a step boundary as p50 can be
-HEADLINE = ("ttft_ms_p50", "tpot_ms_p50", "output_throughput")  # issue 14's three
+HEADLINE = ("ttft_ms_p50", "tpot_ms_p50", "output_throughput")  # the headline metrics
 # First tokens closer than this are one step's: the client sees one step's tokens within a
 # few ms of each other, and a step of the validation's engine takes >= ~30 ms.
 GROUP_GAP_MS = 20.0

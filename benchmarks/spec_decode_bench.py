@@ -1,4 +1,4 @@
-"""Speculative decoding benchmark (issue 11): per-request output speed with and without it.
+"""Speculative decoding benchmark: per-request output speed with and without it.
 
 Workloads on the default model:
 

@@ -1,4 +1,4 @@
-"""Speculative decoding side by side (issue 11): DeepInfer vs vLLM CPU, n-gram prompt lookup.
+"""Speculative decoding side by side: DeepInfer vs vLLM CPU, n-gram prompt lookup.
 
 Same prompts, same weights, same run, batch 1, greedy:
 

@@ -1,5 +1,5 @@
 """Shared-store prefill routing vs cache affinity, on skewed system prompts and a multi-turn
-conversation replay (issue 16).
+conversation replay.
 
 Workloads
   skewed    8 system prompts of 512 tokens with Zipf popularity (s = --zipf), each request

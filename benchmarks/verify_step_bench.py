@@ -1,4 +1,4 @@
-"""Cost of a speculative verification step vs its number of rows (issue 11).
+"""Cost of a speculative verification step vs its number of rows.
 
 A verification step of one request runs its 1 + k tokens as k + 1 decode rows (the fused
 decode stack, runtime/cpu_decode_stack.py) and computes logits for every row. This times,

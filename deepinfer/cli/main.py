@@ -20,7 +20,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deepinfer", description="DeepInfer LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="DEBUG | INFO | WARNING | ERROR (before the command name)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"deepinfer.cli.{name}").register(sub)

@@ -15,26 +15,32 @@ DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def register(sub) -> None:
+    from deepinfer.arg_groups import create_groups, group
+    from deepinfer.cli.engine_args import add_parallel_args
+    from deepinfer.cluster.cluster_args import add_cluster_args
+    from deepinfer.multimodal.media_args import add_media_args
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    create_groups(p)  # topic order in --help, whichever module adds its flags first
     add_engine_args(p)
-    g = p.add_argument_group("server")
+    g = group(p, "server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 429 when this many requests are already waiting")
-    g.add_argument("--max-engine-restarts", type=int, default=5,
-                   help="restart a dead engine process (with back-off) up to this many times "
-                        "in a row; 0: never (default: 5)")
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--demo", action="store_true",
                    help="send one chat request with the openai client once ready, print it")
     g.add_argument("--demo-question", default=DEMO_QUESTION)
-    from deepinfer.cluster.cluster_args import add_cluster_args
+    g = group(p, "security")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    group(p, "scheduling").add_argument(
+        "--max-waiting-requests", type=int, default=None,
+        help="answer 429 when this many requests are already waiting")
+    group(p, "health").add_argument(
+        "--max-engine-restarts", type=int, default=5,
+        help="restart a dead engine process (with back-off) up to this many times in a row; "
+             "0: never (default: 5)")
     add_cluster_args(p)
-    from deepinfer.cli.engine_args import add_parallel_args
     add_parallel_args(p)
-    from deepinfer.multimodal.media_args import add_media_args
     add_media_args(p)
     p.set_defaults(func=_run)
 

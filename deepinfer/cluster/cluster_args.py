@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from deepinfer.arg_groups import group
 from deepinfer.kvstore import STORE_URL_HELP
 from deepinfer.routing import (DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, DECODE_POLICIES,
                                PREFILL_POLICIES)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("disaggregated serving (both worker counts, or neither)")
+    g = group(parser, "disaggregation")
     g.add_argument("--prefill-workers", type=int, default=None,
                    help="prefill worker processes (with --decode-workers: disaggregated)")
     g.add_argument("--decode-workers", type=int, default=None, help="decode worker processes")
@@ -27,6 +28,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="encode routing policy (default: least queued image patches)")
     g.add_argument("--encode-cache", default="1GiB", metavar="SIZE",
                    help="each encode worker's LRU cache of image embeddings (default 1GiB)")
+    g = group(parser, "prefix-store")
     g.add_argument("--kv-store", default="fs",
                    help=f"shared prefix store: {STORE_URL_HELP}, or none")
     g.add_argument("--kv-store-capacity", default=None, metavar="SIZE",
@@ -36,6 +38,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host-cache", default=None, metavar="SIZE",
                    help="host-memory tier per prefill worker in front of the shared store: "
                         "recently used blocks in DRAM, least recently used evicted, e.g. 2GiB")
+    g = group(parser, "disaggregation")
     g.add_argument("--cpu-affinity", action="store_true",
                    help="pin each worker process to its own cores (disjoint groups of the "
                         "cores this process may use; shared round-robin when fewer cores "
@@ -46,14 +49,15 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    choices=sorted(DECODE_POLICIES))
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0,
                    help="seconds a KV transfer (incl. decode allocation) may take")
+    g.add_argument("--kv-staging-memory", default="2GiB", metavar="SIZE",
+                   help="host memory each prefill worker may hold for KV not yet pulled by a "
+                        "decode worker; beyond it prompts wait and the router looks elsewhere")
+    g = group(parser, "health")
     g.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds of silence after which a worker is removed from routing")
     g.add_argument("--loop-stall-timeout", type=float, default=30.0,
                    help="seconds a worker's engine loop may go without advancing (a hung step) "
                         "before it is taken out of routing; above the longest step")
-    g.add_argument("--kv-staging-memory", default="2GiB", metavar="SIZE",
-                   help="host memory each prefill worker may hold for KV not yet pulled by a "
-                        "decode worker; beyond it prompts wait and the router looks elsewhere")
     from deepinfer.cluster.launcher import add_placement_args
     add_placement_args(parser)  # --cluster local|ray|ray://..., per-role Ray resources
 

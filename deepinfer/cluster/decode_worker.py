@@ -40,7 +40,7 @@ class DecodeWorkerLoop(WorkerLoop):
         self.transport = transport
         self._waiting_alloc: deque[str] = deque()
         self._incoming: dict[str, _Incoming] = {}
-        # Counters of where a request's time between tokens goes (issue 14): when each
+        # Counters of where a request's time between tokens goes: when each
         # admitted request was admitted (until its first token here), and when its last
         # token came out of a step; the running / pending counts at the coming step's start.
         self._admitted_at: dict[str, float] = {}

@@ -84,9 +84,10 @@ def launcher_for(kind: str, **ray_options) -> WorkerLauncher:
 
 
 def add_placement_args(parser) -> None:
+    from deepinfer.arg_groups import group
     from deepinfer.cluster.ray_launcher import (  # imports no ray
         EP_RESOURCES_HELP, EP_STRATEGY_HELP, RESOURCES_HELP)
-    g = parser.add_argument_group("cluster placement (disaggregated workers)")
+    g = group(parser, "cluster")
     g.add_argument("--cluster", default="local", metavar="KIND",
                    help=f"where prefill/decode workers run: {CLUSTER_KINDS_HELP}")
     g.add_argument("--prefill-resources", default=None, metavar="JSON",
@@ -94,9 +95,10 @@ def add_placement_args(parser) -> None:
                         f"cluster has GPUs)")
     g.add_argument("--decode-resources", default=None, metavar="JSON",
                    help="--cluster ray: the same for each decode worker")
-    g.add_argument("--kv-store-shared", action="store_true",
-                   help="the fs --kv-store path is a filesystem every node mounts at that path "
-                        "(without it an fs store is refused when prefill workers can span nodes)")
+    group(parser, "prefix-store").add_argument(
+        "--kv-store-shared", action="store_true",
+        help="the fs --kv-store path is a filesystem every node mounts at that path (without "
+             "it an fs store is refused when prefill workers can span nodes)")
     g.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a worker removed by `deepinfer scale` may take to finish its "
                         "requests; what is left then is retried or failed like a lost worker's")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from deepinfer.arg_groups import group
 from deepinfer.multimodal.image_input import MediaPolicy
 
 DEFAULT_LIMIT_PER_PROMPT = MediaPolicy().limit_per_prompt
@@ -15,7 +16,7 @@ SUPPORTED_MODALITIES = ("image",)
 
 
 def add_media_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("image inputs (vision-language models)")
+    g = group(parser, "multimodal")
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="LIMITS",
                    help=f"most images in one prompt: '{{\"image\": 2}}' or image=2 "
                         f"(default {DEFAULT_LIMIT_PER_PROMPT})")

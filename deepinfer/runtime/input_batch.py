@@ -1,4 +1,4 @@
-"""Persistent input batch: per-request block-table rows kept across steps (issue 12).
+"""Persistent input batch: per-request block-table rows kept across steps.
 
 A request keeps one row of a preallocated [rows, blocks] table from its first step until the
 scheduler reports it finished or preempted. Each step only writes what changed (a new block at

@@ -18,7 +18,7 @@ def assert_engine_idle(llm) -> None:
 
 
 def generate_checked(llm, prompts, params):
-    """`llm.generate` followed by the idle/invariant checks (issue 2: after every generate)."""
+    """`llm.generate` followed by the idle/invariant checks (after every generate)."""
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outputs) == len(prompts)
     assert_engine_idle(llm)

@@ -8,7 +8,7 @@ reference disagree, the prefixes are identical, so this is exactly the step-by-s
 decode — at the cost of one forward pass instead of one per token. Results are memoised, so
 configurations that produce the same tokens cost nothing extra.
 
-Comparison rule (issue 2): the engine must equal the reference token for token, except that a
+Comparison rule: the engine must equal the reference token for token, except that a
 divergence is allowed from the first step whose top-2 logit gap in the reference is below
 `NEAR_TIE_GAP` onwards (at such a step fp32 rounding may legitimately pick the other token).
 """

@@ -1,5 +1,5 @@
 """Compute-aware scheduling changes how prompts are chunked, never what is generated: greedy
-outputs equal the token-budget engine's on the default model (issue 4). Budget: ~20 s idle."""
+outputs equal the token-budget engine's on the default model. Budget: ~20 s idle."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer with the default model's real tokenizer (issue 8): a sequence that
+"""IncrementalDetokenizer with the default model's real tokenizer: a sequence that
 ends inside a multi-byte character keeps its last bytes (the final text is the decode of every
 output token, as in vLLM), stop strings end nothing before `min_tokens`, and the text of the
 stop token that ended a sequence is left out."""
@@ -89,7 +89,7 @@ def test_stop_token_text_is_left_out(tokenizer):
 
 
 def test_direct_window_decode_equals_tokenizer_decode(tokenizer):
-    """The detokenizer decodes windows with the backend tokenizer directly (issue 12): the text
+    """The detokenizer decodes windows with the backend tokenizer directly: the text
     must equal the tokenizer's own decode, special tokens and split characters included."""
     import random
 

@@ -1,4 +1,4 @@
-"""Offline generation asks the engine for finished outputs only (issue 12: no per-step
+"""Offline generation asks the engine for finished outputs only (no per-step
 snapshot of every running request); streaming callers still get every step's outputs, and
 the final outputs are the same either way. A stand-in model (next token = last token + 1)
 keeps this about the engine loop, not the model."""

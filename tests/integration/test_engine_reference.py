@@ -1,4 +1,4 @@
-"""Engine greedy decoding vs Hugging Face transformers fp32 on the default model (issue 2).
+"""Engine greedy decoding vs Hugging Face transformers fp32 on the default model.
 
 Every configuration — plain batch, prefix-cache hits, chunked prefill, preemption — must equal
 the reference token for token, up to the first step whose reference top-2 logit gap < 1e-3.

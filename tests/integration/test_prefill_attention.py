@@ -55,7 +55,7 @@ def _step(x, cached, num_kv_heads, group, head_dim, block_size, seed):
 
 
 # Every chunk length x every prefix length, each with a head shape and block size from the
-# brief's lists (GQA 1:1, 3:1, 8:1; head dims 64 and 128; blocks of 16 and 32) in rotation.
+# covered shapes (GQA 1:1, 3:1, 8:1; head dims 64 and 128; blocks of 16 and 32) in rotation.
 HEADS = [(3, 3, 64, 16), (2, 1, 128, 32), (1, 8, 64, 32), (3, 3, 128, 16), (2, 8, 128, 16),
          (4, 1, 64, 16)]
 CASES = [(x, p, *HEADS[i % len(HEADS)])

@@ -1,4 +1,4 @@
-"""`deepinfer profile` on the real default model and runner (issue 4): writes a profile with
+"""`deepinfer profile` on the real default model and runner: writes a profile with
 coefficients and held-out errors that the engine can load; bad arguments exit 2. ~25 s."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sampling semantics of the engine on the default model (issue 2), vLLM-shaped:
+"""Sampling semantics of the engine on the default model, vLLM-shaped:
 seeds, top-k/top-p/min-p limits, stop strings and stop token ids, max/min tokens, ignore_eos,
 n > 1, logprobs against the HF reference, and a bf16 engine against the fp32 reference."""
 from __future__ import annotations

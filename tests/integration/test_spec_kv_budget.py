@@ -1,5 +1,4 @@
-"""`--kv-cache-memory` bounds the target's KV cache and the drafter's together (brief REL
-item 3): a draft model (here the default model drafting for itself, whose KV per block equals
+"""`--kv-cache-memory` bounds the target's KV cache and the drafter's together: a draft model (here the default model drafting for itself, whose KV per block equals
 the target's) gets one draft block per target block, so the budget buys half the blocks, and
 the split is logged at start-up. n-gram drafts keep no KV and leave the budget to the target."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling with speculation follows the target's distribution (issue 11, point 2).
+"""Sampling with speculation follows the target's distribution.
 
 A tiny random Llama (attention dampened, so the last token matters most) is the target; the
 drafter is the same model with a perturbed LM head,

@@ -1,4 +1,4 @@
-"""A step that raises fails only what it must (brief REL item 2).
+"""A step that raises fails only what it must.
 
 Engine level: a fault injected for one request (`DebugStepFault`, a runner error for one
 request id) fails that request alone; the requests batched with it, including one that hit

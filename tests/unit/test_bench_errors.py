@@ -1,5 +1,5 @@
 """Benchmark library code raises its own `BenchError` (a ValueError), not the CLI's error type;
-the `deepinfer bench` layer turns it into a one-line exit 2 (issue 8, layering)."""
+the `deepinfer bench` layer turns it into a one-line exit 2."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""The persistent input batch (runtime/input_batch.py, issue 12) prepares exactly what the plain
+"""The persistent input batch (runtime/input_batch.py) prepares exactly what the plain
 per-step build (`ModelRunner._prepare`) prepares, every step of a real scheduler run: requests
 joining and finishing, chunked prefills, preemption and recompute, prefix-cache hits,
 speculative-decoding verification rows and lookahead blocks."""

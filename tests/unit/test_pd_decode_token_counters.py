@@ -1,4 +1,4 @@
-"""Decode worker counters of where a request's time between tokens goes (issue 14): per step,
+"""Decode worker counters of where a request's time between tokens goes: per step,
 requests running vs requests given a token vs requests still waiting for their KV; per
 admitted request, its wait split into allocation / pull / KV write / first step; the gaps
 between a request's consecutive tokens on the worker. The loop is driven by hand on a fake

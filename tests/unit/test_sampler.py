@@ -1,4 +1,4 @@
-"""The sampler on hand-made logits (issue 8): top-k / top-p / min-p truncation against a plain
+"""The sampler on hand-made logits: top-k / top-p / min-p truncation against a plain
 Python reference (ties, combinations, temperature, different parameters per row of one batch),
 and seeded draws that are a pure function of (seed, output position)."""
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_unseeded_rows_still_vary():
     assert len(set(tokens)) >= 28
 
 
-# ---- row_argmax: the blocked CPU argmax the greedy path uses (issue 12) --------------------
+# ---- row_argmax: the blocked CPU argmax the greedy path uses --------------------
 
 @pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000, 513, 300])
 def test_row_argmax_equals_torch_argmax_with_ties_nan_and_inf(vocab, monkeypatch):

@@ -1,4 +1,4 @@
-"""`bench serve`'s client judges success by generated tokens, not by non-empty text (issue 8):
+"""`bench serve`'s client judges success by generated tokens, not by non-empty text:
 a one-token completion whose text is empty (a special token, or the first bytes of a
 character) is a completed request. Streams are served by an in-process mock transport."""
 from __future__ import annotations

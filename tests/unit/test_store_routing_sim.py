@@ -1,6 +1,6 @@
 """benchmarks/store_routing_bench.py's simulator (the prefill worker's store path over the
 cluster simulator): least-compute over the shared store reaches cache affinity's prefix hit
-rate on skewed system prompts while spreading the work (issue 16). Small runs, seconds."""
+rate on skewed system prompts while spreading the work. Small runs, seconds."""
 from __future__ import annotations
 
 import runpy

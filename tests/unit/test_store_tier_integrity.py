@@ -1,4 +1,4 @@
-"""Every store tier checks a block's checksum on every read (brief REL, item 1: blocks written
+"""Every store tier checks a block's checksum on every read (blocks written
 by a worker that crashed mid-write, or flipped at rest). The host-memory tier in front of a
 shared store is a checked store too: a bad copy there is a counted miss and the shared
 store's good copy is served (and copied up again); a torn file in the fs store is a miss."""
