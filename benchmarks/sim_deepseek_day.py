@@ -126,6 +126,34 @@ def decode_hour(scale: float, load: HourLoad, window_s: float, seed: int) -> dic
             "requests": len(run.records), "wall_s": run.wall_s}
 
 
+def capacity(scale: float) -> dict:
+    """Saturated throughput per GPU at production settings (the calibrated roofline at a full
+    batch: 16K prefill tokens per GPU of 4,384-token prompts; 128 sequences per GPU at 4,989
+    KV with MTP), and per accelerator of a cluster split to the day's token mix at a hit rate
+    (cache hits cost only their store load, so prefill capacity counts computed tokens)."""
+    from dataclasses import replace
+
+    from deepinfer.sim.deployments import predict
+    prompt, _ = request_shape()
+    prefill, decode = published.CALIBRATION
+    computed = predict(replace(prefill, prompt_len=int(round(prompt))), scale)
+    out = predict(replace(decode, ep_size=144, num_redundant_experts=32,
+                          prompt_len=PUBLISHED["kv_len_per_output_token"]), scale)
+    per_gpu_in, per_gpu_out = computed.predicted_tok_s / 8, out.predicted_tok_s / 8
+    # GB200 at vLLM's published settings (the same calibrated model; 2K in / 2K out)
+    gb_in, gb_out = (predict(d, scale).predicted_tok_s for d in published.vllm(0.5))
+    input_share = 608 / 776
+
+    def mixed(prefill: float, decode: float, hit_rate: float) -> float:
+        return 1.0 / (input_share * (1 - hit_rate) / prefill + (1 - input_share) / decode)
+    hits = (HIT_RATE, 0.96)
+    return {"prefill_computed_tok_s_per_gpu": per_gpu_in, "decode_tok_s_per_gpu": per_gpu_out,
+            "decode_step_ms": out.step_ms,
+            "per_accelerator": {f"{h:.3f}": mixed(per_gpu_in, per_gpu_out, h) for h in hits},
+            "gb200": {"prefill_computed_tok_s_per_gpu": gb_in, "decode_tok_s_per_gpu": gb_out,
+                      "per_accelerator": {f"{h:.3f}": mixed(gb_in, gb_out, h) for h in hits}}}
+
+
 def simulate_day(scale: float, window_s: float, hours: list[int] | None = None,
                  seed: int = 0) -> tuple[list[HourResult], list[dict]]:
     results, raw = [], []
@@ -162,6 +190,13 @@ def main() -> None:
               f"of {h.load.output_per_decode_node:7,.0f}, util {h.decode_utilization:.2f}, batch "
               f"{h.decode_batch_mean:5.0f}, {1e3 / h.tpot_p50_ms:5.1f} tok/s/user", flush=True)
     day = day_averages(hours)
+    weights = [r["prefill"]["requests"] for r in raw]
+    day["hit_rate"] = sum(w * r["prefill"]["hit_rate"] for w, r in zip(weights, raw)) / sum(weights)
+    cap = capacity(scale)
+    print(f"capacity per GPU at full batch: prefill {cap['prefill_computed_tok_s_per_gpu']:,.0f} "
+          f"computed tok/s, decode {cap['decode_tok_s_per_gpu']:,.0f} tok/s; per accelerator at "
+          f"the day's mix: " + ", ".join(f"{v:,.0f} at {float(k):.1%} hits"
+                                         for k, v in cap["per_accelerator"].items()))
     print(f"day: {day['input_tok_s_per_prefill_node']:,.0f} input tok/s per prefill node "
           f"(published {PUBLISHED['input_tok_s_per_prefill_node']:,}), "
           f"{day['output_tok_s_per_decode_node']:,.0f} output tok/s per decode node (published "
@@ -170,7 +205,7 @@ def main() -> None:
           f"decode {day['decode_utilization']:.2f}")
     out = {"published": PUBLISHED, "calibration": calibration, "window_s": args.window_s,
            "mtp": {"draft_tokens": MTP_DRAFT, "acceptance": MTP_ACCEPT},
-           "day": day, "hours": [h.to_dict() for h in hours], "runs": raw,
+           "day": day, "capacity": cap, "hours": [h.to_dict() for h in hours], "runs": raw,
            "wall_s": time.perf_counter() - start}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

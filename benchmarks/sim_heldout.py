@@ -31,8 +31,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_validation_report import repeat_rows, summary_from_dict  # noqa: E402
-from deepinfer.bench.latency_stats import finite_json  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
 
@@ -132,8 +130,7 @@ def table(cases: dict) -> str:
 
 def main() -> None:
     from benchmarks.sim_frozen_calibration import load_frozen
-    from benchmarks.sim_validation import loaded_runs, write
-    from benchmarks.sim_validation_calibration import configure
+    from benchmarks.sim_validation import loaded_runs, use_rules, write
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration",
                         default=str(ROOT / "benchmarks/sim/calibration/cpu_smollm2_1thread.json"))
@@ -155,9 +152,13 @@ def main() -> None:
         parser.exit(2, "sim_heldout: no such case, or --repeats / --sim-samples < 1\n")
     dirs = [Path(d) for d in (args.traces_dir or [])] + [ROOT.parent / "shared" / "traces"] + (
         [Path(os.environ["DEEPINFER_TRACES"])] if os.environ.get("DEEPINFER_TRACES") else [])
-    configure(frozen["host_cpu_path"], resimulate_only=False)
-    report = {"calibration": {k: frozen[k] for k in ("name", "measured_at", "git_commit",
-                                                     "profile_sha256", "host_cpu_sha256")},
+    from benchmarks.sim_frozen_calibration import host_cpu_with_derived
+    from benchmarks.sim_validation_calibration import use_calibration
+    use_calibration(host_cpu_with_derived(frozen))
+    use_rules(frozen.get("simulator", {}))
+    report = {"calibration": {k: frozen.get(k) for k in (
+                  "name", "measured_at", "git_commit", "profile_sha256", "host_cpu_sha256",
+                  "simulator", "derived")},
               "split": frozen["split"], "repeats": args.repeats, "sim_samples": args.sim_samples,
               "measured_from": args.measured, "cases": {}}
     store_dir = tempfile.mkdtemp(prefix="sim-heldout-store-")

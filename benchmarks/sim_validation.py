@@ -138,15 +138,31 @@ def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
 def time_sharing_key(profile: str) -> dict:
     """`time_sharing: measured` when the profile has `deepinfer profile --time-sharing`'s
     numbers (a time-shared core's steps cost more CPU); nothing otherwise."""
+    if not _RULES["time_sharing"]:
+        return {}
     with open(profile) as f:
         measured = json.load(f).get("metadata", {}).get("time_sharing")
     return {"time_sharing": "measured"} if measured else {}
 
 
+# How the simulated clusters use the profile's host measurements; a frozen calibration's
+# manifest sets them (`use_rules`), the defaults use everything the profile has.
+_RULES = {"memory_contention": True, "time_sharing": True}
+
+
+def use_rules(rules: dict) -> None:
+    unknown = set(rules) - set(_RULES) - {"host_sharing"}
+    if unknown:
+        raise ValueError(f"unknown simulator rules {sorted(unknown)}")
+    _RULES.update({k: bool(v) for k, v in rules.items() if k in _RULES})
+
+
 def memory_contention_key(profile: str) -> dict:
     """`memory_contention: measured` when the profile has `deepinfer profile
     --memory-contention`'s numbers (a small decode step slows while another worker steps on
-    another core); nothing otherwise."""
+    another core) and the rules use it; nothing otherwise."""
+    if not _RULES["memory_contention"]:
+        return {}
     with open(profile) as f:
         measured = json.load(f).get("metadata", {}).get("memory_contention")
     return {"memory_contention": "measured"} if measured else {}
@@ -194,6 +210,9 @@ def parse_args(argv: list[str] | None = None):
     """(args, the custom workload's config); bad input exits 2 with one line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None, help="use this profile instead of measuring")
+    parser.add_argument("--calibration", default=None, metavar="MANIFEST",
+                        help="a frozen calibration (sim_frozen_calibration.py): its profile, "
+                             "host-CPU costs and simulator rules; nothing is measured")
     parser.add_argument("--grid", default="quick", choices=("quick", "full"))
     parser.add_argument("--w1-prompts", type=int, default=32)
     parser.add_argument("--mooncake-prompts", type=int, default=40)
@@ -223,6 +242,17 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
     add_workload_args(parser)
     args = parser.parse_args(argv)
+    if args.calibration is not None:
+        from benchmarks.sim_frozen_calibration import load_frozen
+        if args.profile is not None or args.host_cpu is not None:
+            parser.exit(2, "sim_validation: --calibration brings its own profile and host CPU\n")
+        try:
+            frozen = load_frozen(args.calibration)
+            use_rules(frozen.get("simulator", {}))
+        except (OSError, ValueError, KeyError) as e:
+            parser.exit(2, f"sim_validation: {e}\n")
+        args.profile, args.host_cpu = frozen["profile_path"], frozen["host_cpu_path"]
+        args.frozen = frozen
     if args.trace is not None:
         args.workload = f"trace:{args.trace}"
     custom = args.trace is not None or args.workload != "random"
@@ -530,6 +560,11 @@ def main(argv: list[str] | None = None) -> None:
     with open(profile) as f:
         meta = json.load(f).get("metadata", {})
     host_cpu = configure(args.host_cpu, resimulate_only=args.measured is not None)
+    if getattr(args, "frozen", None) is not None:  # with the frozen calibration's derived terms
+        from benchmarks.sim_frozen_calibration import host_cpu_with_derived
+        from benchmarks.sim_validation_calibration import use_calibration
+        host_cpu = host_cpu_with_derived(args.frozen)
+        use_calibration(host_cpu)
     cpu_profile = cpu_clock_profile(profile)
     report = {"profile": profile, "cpu_clock_profile": cpu_profile, "grid": args.grid,
               "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),

@@ -56,6 +56,8 @@ def host_cpu_keys(profile: str, pools: dict) -> dict:
         shape = _calibration["pd" if "prefill" in pools else "colocated"]
         keys["front_cpu"] = dict(shape["front_cpu"])
         keys["client_cpu"] = dict(shape["client_cpu"])
+        if "prefill_cpu" in shape:
+            keys["prefill_cpu"] = dict(shape["prefill_cpu"])
     with open(profile) as f:
         link = json.load(f).get("metadata", {}).get("kv_transport") or {}
     if link.get("cpu_s_per_gb"):

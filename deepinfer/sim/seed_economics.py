@@ -46,10 +46,12 @@ class SeedCheck:
 
 def seed_checks(capacity_tok_s_per_acc: float, day_tok_s_per_acc: float,
                 prices: PriceSheet = PriceSheet(), accelerator_hour_cost: float = 2.0,
-                off_peak_discount: float = 0.5, seed: dict = SEED) -> list[SeedCheck]:
+                off_peak_discount: float = 0.5, seed: dict = SEED,
+                other_capacities: dict[str, float] | None = None) -> list[SeedCheck]:
     """The seed's figures against each other and against the simulated throughput per
     accelerator: `capacity_tok_s_per_acc` at full utilisation, `day_tok_s_per_acc` on
-    average over the simulated day (both at day 6's input : output mix)."""
+    average over the simulated day (both at day 6's input : output mix); `other_capacities`:
+    other accelerators' full-utilisation throughput at the same mix (by name)."""
     rev_h = seed["revenue_per_accelerator_hour"]
     price = blended_price_per_token(prices, seed["cache_hit_rate"])
     needed = rev_h / price / 3600.0  # tok/s per accelerator for $38/h at list price
@@ -57,6 +59,8 @@ def seed_checks(capacity_tok_s_per_acc: float, day_tok_s_per_acc: float,
     fleet = seed["tokens_per_day"] / (needed * 86400.0)
     margin = 1.0 - accelerator_hour_cost / rev_h
     capex = seed["payback_days"] * (rev_h - accelerator_hour_cost) * 24.0
+    others = "".join(f"; {name}: {needed / cap:.0%} of its {cap:,.0f}"
+                     for name, cap in (other_capacities or {}).items())
     return [
         SeedCheck("$38 per accelerator-hour",
                   f"{needed:,.0f} tok/s per accelerator at list price ({needed_off_peak:,.0f} if "
@@ -64,8 +68,8 @@ def seed_checks(capacity_tok_s_per_acc: float, day_tok_s_per_acc: float,
                   f"{seed['cache_hit_rate']:.0%} hits",
                   bool(needed <= capacity_tok_s_per_acc),
                   f"utilisation needed {needed / capacity_tok_s_per_acc:.0%} of the simulated "
-                  f"capacity ({capacity_tok_s_per_acc:,.0f} tok/s per accelerator); the simulated "
-                  f"day delivers {day_tok_s_per_acc:,.0f} on average"),
+                  f"capacity ({capacity_tok_s_per_acc:,.0f} tok/s per accelerator){others}; the "
+                  f"simulated day delivers {day_tok_s_per_acc:,.0f} on average"),
         SeedCheck("155T tokens per day",
                   f"{fleet:,.0f} accelerators at that rate (revenue ${rev_h * fleet * 24 / 1e6:,.1f}M"
                   f" per day)", None,

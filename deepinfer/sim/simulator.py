@@ -479,6 +479,8 @@ class ClusterSimulator:
             step_model = worker.step_model
             worker.stall_s += (num_blocks * bs * step_model.kv_bytes_per_token
                                * step_model.publish_s_per_byte)
+        if self.host_load is not None:  # its handoff path's own CPU, as calibrated
+            worker.stall_s += self.host_load.spec.prefill_per_handoff_s
         routing = RoutingRequest(request_id=request_id, num_prompt_tokens=record.prompt_len,
                                  expected_output_tokens=record.output_len)
         loads = [w.last_load for w in self.pools["decode"]]
