@@ -13,8 +13,8 @@ trace; development used requests 0-39). Each case runs the real `deepinfer serve
 times (fresh server, empty store) and the simulator `--sim-samples` times; the headline is
 the simulated mean against the measured mean, with the split stated on every row.
 
-Traces are looked up by file name in --traces-dir (default: ../shared/traces and its
-subfolders, then $DEEPINFER_TRACES); `HELD_OUT` says where each comes from and its licence.
+Traces are looked up by file name in --traces-dir, then in shared/traces (and its
+subfolders) beside the checkout or above it, then $DEEPINFER_TRACES; `HELD_OUT` says where each comes from and its licence.
 """
 from __future__ import annotations
 
@@ -150,7 +150,8 @@ def main() -> None:
     chosen = [c for c in HELD_OUT if args.cases is None or c.name in args.cases.split(",")]
     if not chosen or args.repeats < 1 or args.sim_samples < 1:
         parser.exit(2, "sim_heldout: no such case, or --repeats / --sim-samples < 1\n")
-    dirs = [Path(d) for d in (args.traces_dir or [])] + [ROOT.parent / "shared" / "traces"] + (
+    shared = [p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()]
+    dirs = [Path(d) for d in (args.traces_dir or [])] + shared + (
         [Path(os.environ["DEEPINFER_TRACES"])] if os.environ.get("DEEPINFER_TRACES") else [])
     from benchmarks.sim_frozen_calibration import host_cpu_with_derived
     from benchmarks.sim_validation_calibration import use_calibration
@@ -161,6 +162,8 @@ def main() -> None:
                   "simulator", "derived")},
               "split": frozen["split"], "repeats": args.repeats, "sim_samples": args.sim_samples,
               "measured_from": args.measured, "cases": {}}
+    if args.measured:
+        report["repeats"] = None  # the runs come from the files named in measured_from
     store_dir = tempfile.mkdtemp(prefix="sim-heldout-store-")
     try:
         for case in chosen:

@@ -61,7 +61,9 @@ from deepinfer.sim.perturbation import NoiseSpec  # noqa: E402
 from deepinfer.sim.sampling import sample_runs, samples_report  # noqa: E402
 from deepinfer.sim.sim_report import first_decode_gap  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+# shared/traces beside the checkout (/work/main) or above it (a worktree under /work/wt)
+TRACE = next((p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
+             ROOT.parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
 
 def measure_profile(path: str, grid: str) -> None:

@@ -49,7 +49,8 @@ def register(sub) -> None:
                         "tokens, hit rate and mean fleet")
     p.add_argument("--seed-figures", action="store_true",
                    help="with --from-day: which of the seed's figures (155T tokens/day, $38 "
-                        "per accelerator-hour, > 80%% margin, 81-day payback) hold together")
+                        "per accelerator-hour, the margin above 80 percent, an 81-day "
+                        "payback) hold together")
     f = p.add_argument_group("fleet")
     f.add_argument("--accelerators", type=float, default=None)
     f.add_argument("--nodes", type=float, default=None, help="with --gpus-per-node")

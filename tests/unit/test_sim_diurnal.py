@@ -40,7 +40,7 @@ def test_published_curves_read_back_exactly():
 def reduced_day():
     """Two hours (the night trough and the afternoon peak), short windows."""
     scale = calibrate(published.CALIBRATION)["efficiency_scale"]
-    hours, _ = simulate_day(scale, window_s=60.0, hours=[4, 15])
+    hours, _ = simulate_day(scale, window_s=40.0, hours=[4, 15])
     return hours
 
 
