@@ -44,7 +44,7 @@ DEVELOPMENT = [
 # cores fairly; the two step-efficiency terms measured with synthetic neighbours stay out: in
 # situ (the calibration's own P=2/D=2 runs, `in_situ`) and on the development P/D runs a decode
 # worker's CPU per step is its profiled cost alone (measured / simulated work 0.90-1.12 over
-# eight decode workers), while the neighbour-streaming factor (0.73-0.93) and the time-shared
+# six decode workers), while the neighbour-streaming factor (0.73-0.93) and the time-shared
 # core's (0.94) would make it 6-32% high. What the P/D prefill workers spend beyond their
 # profiled steps is measured in situ instead (`derived.prefill_cpu_per_handoff_s`).
 SIMULATOR_RULES = {"host_sharing": "fair", "time_sharing": False, "memory_contention": False}
