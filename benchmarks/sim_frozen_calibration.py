@@ -140,7 +140,7 @@ def in_situ(profile: str, host_cpu: dict, rules: dict) -> dict:
     """Each P/D worker of the calibration's own P=2/D=2 runs (fixed synthetic workload): its
     measured steps and process CPU against the simulator on the same workload, with and without
     the memory-contention term: the check behind SIMULATOR_RULES, from calibration data."""
-    from benchmarks.sim_validation import sim_cluster, use_rules
+    from benchmarks.sim_validation_cluster import sim_cluster, use_rules
     from benchmarks.sim_validation_calibration import calibration_workload, use_calibration
     from deepinfer.bench.workloads import build_workload
     from deepinfer.sim import simulate_workload

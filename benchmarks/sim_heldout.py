@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -130,7 +129,8 @@ def table(cases: dict) -> str:
 
 def main() -> None:
     from benchmarks.sim_frozen_calibration import load_frozen
-    from benchmarks.sim_validation import loaded_runs, use_rules, write
+    from benchmarks.sim_validation import loaded_runs, write
+    from benchmarks.sim_validation_cluster import use_rules
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration",
                         default=str(ROOT / "benchmarks/sim/calibration/cpu_smollm2_1thread.json"))

@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_validation_calibration import (  # noqa: E402
-    configure, format_host_cpu, host_cpu_keys, simulated_host_cpu)
+    configure, format_host_cpu, simulated_host_cpu)
+from benchmarks.sim_validation_cluster import (  # noqa: E402,F401 (re-exported)
+    measured_link, memory_contention_key, sim_cluster, time_sharing_key, use_rules)
 from benchmarks.sim_validation_engine import DEEPINFER, NUM_KV_BLOCKS, serve_and_bench  # noqa: E402
 from benchmarks.sim_validation_report import (  # noqa: E402
     compare, format_first_gap, format_p50_position, format_repeat_rows, measured_first_gap,
@@ -56,7 +58,7 @@ from deepinfer.bench.latency_stats import finite_json  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
-from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
+from deepinfer.sim import simulate_workload  # noqa: E402
 from deepinfer.sim.perturbation import NoiseSpec  # noqa: E402
 from deepinfer.sim.sampling import sample_runs, samples_report  # noqa: E402
 from deepinfer.sim.sim_report import first_decode_gap  # noqa: E402
@@ -112,62 +114,6 @@ def cpu_clock_profile(profile: str) -> str | None:
     with open(path, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
     return path
-
-
-def measured_link(profile: str) -> dict:
-    """The KV transport `deepinfer profile` measured on this host (stage copy + pull +
-    write), or the old stated assumption when the profile has none."""
-    with open(profile) as f:
-        link = json.load(f).get("metadata", {}).get("kv_transport")
-    if not link:
-        return {"bandwidth_gb_s": 1.0, "latency_ms": 2.0}
-    return {"bandwidth_gb_s": link["bandwidth_gb_s"], "latency_ms": link["latency_ms"]}
-
-
-def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
-                noise: NoiseSpec | None = None) -> object:
-    cluster = cluster_from_dict({
-        "cost": {"profile": profile},
-        "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
-        "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing,
-                                 **host_cpu_keys(profile, pools),  # front, client, KV-transfer CPU
-                                 **time_sharing_key(profile), **memory_contention_key(profile)},
-        "kv_transfer": measured_link(profile),
-        "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
-    return dataclasses.replace(cluster, noise=noise)
-
-
-def time_sharing_key(profile: str) -> dict:
-    """`time_sharing: measured` when the profile has `deepinfer profile --time-sharing`'s
-    numbers (a time-shared core's steps cost more CPU); nothing otherwise."""
-    if not _RULES["time_sharing"]:
-        return {}
-    with open(profile) as f:
-        measured = json.load(f).get("metadata", {}).get("time_sharing")
-    return {"time_sharing": "measured"} if measured else {}
-
-
-# How the simulated clusters use the profile's host measurements; a frozen calibration's
-# manifest sets them (`use_rules`), the defaults use everything the profile has.
-_RULES = {"memory_contention": True, "time_sharing": True}
-
-
-def use_rules(rules: dict) -> None:
-    unknown = set(rules) - set(_RULES) - {"host_sharing"}
-    if unknown:
-        raise ValueError(f"unknown simulator rules {sorted(unknown)}")
-    _RULES.update({k: bool(v) for k, v in rules.items() if k in _RULES})
-
-
-def memory_contention_key(profile: str) -> dict:
-    """`memory_contention: measured` when the profile has `deepinfer profile
-    --memory-contention`'s numbers (a small decode step slows while another worker steps on
-    another core) and the rules use it; nothing otherwise."""
-    if not _RULES["memory_contention"]:
-        return {}
-    with open(profile) as f:
-        measured = json.load(f).get("metadata", {}).get("memory_contention")
-    return {"memory_contention": "measured"} if measured else {}
 
 
 def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
