@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_validation import TRACE, warm_server, worker_counters  # noqa: E402
+from benchmarks.sim_validation import TRACE  # noqa: E402
+from benchmarks.sim_validation_engine import warm_server, worker_counters  # noqa: E402
 from deepinfer.bench.serve_client import run_benchmark  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402

@@ -51,7 +51,9 @@ from deepinfer.sim.hardware import accelerator  # noqa: E402
 from deepinfer.sim.planner import SLO, plan  # noqa: E402
 from deepinfer.sim.roofline import RooflineConfig, kv_cache_blocks  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+# shared/traces beside the checkout (/work/main) or above it (a worktree under /work/wt)
+TRACE = next((p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
+             ROOT.parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 RESULTS = ROOT / "benchmarks" / "results"
 PUBLISHED = {"prefill_input_tok_s_per_node": 73_700, "decode_output_tok_s_per_node": 14_800}
 BLOCK = 64

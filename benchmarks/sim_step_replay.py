@@ -32,7 +32,9 @@ from deepinfer.bench.workloads import build_workload  # noqa: E402
 from deepinfer.sim import cluster_from_dict  # noqa: E402
 from deepinfer.sim.simulator import ClusterSimulator  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+# shared/traces beside the checkout (/work/main) or above it (a worktree under /work/wt)
+TRACE = next((p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
+             ROOT.parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
 
 class _Recorder:

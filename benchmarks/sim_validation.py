@@ -47,20 +47,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_validation_calibration import (  # noqa: E402
-    configure, format_host_cpu, host_cpu_keys, simulated_host_cpu)
+    configure, format_host_cpu, simulated_host_cpu)
+from benchmarks.sim_validation_cluster import (  # noqa: E402,F401 (re-exported)
+    measured_link, memory_contention_key, sim_cluster, time_sharing_key, use_rules)
 from benchmarks.sim_validation_engine import DEEPINFER, NUM_KV_BLOCKS, serve_and_bench  # noqa: E402
 from benchmarks.sim_validation_report import (  # noqa: E402
-    compare, format_p50_position, format_repeat_rows, p50_position, repeat_rows,
-    summary_from_dict)
+    compare, format_first_gap, format_p50_position, format_repeat_rows, measured_first_gap,
+    p50_position, repeat_rows, summary_from_dict)
 from deepinfer.bench.latency_stats import finite_json  # noqa: E402
 from deepinfer.bench.traces import ShrinkConfig  # noqa: E402
 from deepinfer.bench.workload_args import add_workload_args, workload_config_from_args  # noqa: E402
 from deepinfer.bench.workloads import WorkloadConfig, build_workload  # noqa: E402
-from deepinfer.sim import cluster_from_dict, simulate_workload  # noqa: E402
+from deepinfer.sim import simulate_workload  # noqa: E402
 from deepinfer.sim.perturbation import NoiseSpec  # noqa: E402
 from deepinfer.sim.sampling import sample_runs, samples_report  # noqa: E402
+from deepinfer.sim.sim_report import first_decode_gap  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+# shared/traces beside the checkout (/work/main) or above it (a worktree under /work/wt)
+TRACE = next((p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()),
+             ROOT.parent / "shared" / "traces") / "mooncake" / "conversation_trace.jsonl"
 
 
 def measure_profile(path: str, grid: str) -> None:
@@ -111,46 +116,6 @@ def cpu_clock_profile(profile: str) -> str | None:
     return path
 
 
-def measured_link(profile: str) -> dict:
-    """The KV transport `deepinfer profile` measured on this host (stage copy + pull +
-    write), or the old stated assumption when the profile has none."""
-    with open(profile) as f:
-        link = json.load(f).get("metadata", {}).get("kv_transport")
-    if not link:
-        return {"bandwidth_gb_s": 1.0, "latency_ms": 2.0}
-    return {"bandwidth_gb_s": link["bandwidth_gb_s"], "latency_ms": link["latency_ms"]}
-
-
-def sim_cluster(profile: str, pools: dict, sharing: str = "fair",
-                noise: NoiseSpec | None = None) -> object:
-    cluster = cluster_from_dict({
-        "cost": {"profile": profile},
-        "engine": {"num_kv_blocks": NUM_KV_BLOCKS, "threads": 1},
-        "pools": pools, "host": {"cores": os.cpu_count(), "sharing": sharing,
-                                 **host_cpu_keys(profile, pools),  # front, client, KV-transfer CPU
-                                 **time_sharing_key(profile), **memory_contention_key(profile)},
-        "kv_transfer": measured_link(profile),
-        "prefix_store": {"bandwidth_gb_s": 1.0, "latency_ms": 1.0}})
-    return dataclasses.replace(cluster, noise=noise)
-
-
-def time_sharing_key(profile: str) -> dict:
-    """`time_sharing: measured` when the profile has `deepinfer profile --time-sharing`'s
-    numbers (a time-shared core's steps cost more CPU); nothing otherwise."""
-    with open(profile) as f:
-        measured = json.load(f).get("metadata", {}).get("time_sharing")
-    return {"time_sharing": "measured"} if measured else {}
-
-
-def memory_contention_key(profile: str) -> dict:
-    """`memory_contention: measured` when the profile has `deepinfer profile
-    --memory-contention`'s numbers (a small decode step slows while another worker steps on
-    another core); nothing otherwise."""
-    with open(profile) as f:
-        measured = json.load(f).get("metadata", {}).get("memory_contention")
-    return {"memory_contention": "measured"} if measured else {}
-
-
 def measured_sharing_errors(measured, profile: str, pools: dict, workload) -> dict | None:
     """Errors with the host-sharing speeds the profile measured (None if it has none)."""
     try:
@@ -193,6 +158,9 @@ def parse_args(argv: list[str] | None = None):
     """(args, the custom workload's config); bad input exits 2 with one line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=None, help="use this profile instead of measuring")
+    parser.add_argument("--calibration", default=None, metavar="MANIFEST",
+                        help="a frozen calibration (sim_frozen_calibration.py): its profile, "
+                             "host-CPU costs and simulator rules; nothing is measured")
     parser.add_argument("--grid", default="quick", choices=("quick", "full"))
     parser.add_argument("--w1-prompts", type=int, default=32)
     parser.add_argument("--mooncake-prompts", type=int, default=40)
@@ -222,6 +190,17 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_validation.json"))
     add_workload_args(parser)
     args = parser.parse_args(argv)
+    if args.calibration is not None:
+        from benchmarks.sim_frozen_calibration import load_frozen
+        if args.profile is not None or args.host_cpu is not None:
+            parser.exit(2, "sim_validation: --calibration brings its own profile and host CPU\n")
+        try:
+            frozen = load_frozen(args.calibration)
+            use_rules(frozen.get("simulator", {}))
+        except (OSError, ValueError, KeyError) as e:
+            parser.exit(2, f"sim_validation: {e}\n")
+        args.profile, args.host_cpu = frozen["profile_path"], frozen["host_cpu_path"]
+        args.frozen = frozen
     if args.trace is not None:
         args.workload = f"trace:{args.trace}"
     custom = args.trace is not None or args.workload != "random"
@@ -300,7 +279,7 @@ def loaded_runs(paths: list[str], name: str) -> list[dict]:
 def run_json(run: dict) -> dict:
     """What the JSON keeps of each measured run."""
     keep = ("hit_rate", "load_average", "cpu_s", "send_lag_ms", "first_token_times_ms",
-            "ttfts_ms", "first_error", "source")
+            "ttfts_ms", "first_error", "source", "workers")
     return {"summary": dataclasses.asdict(run["summary"]),
             **{k: run.get(k) for k in keep if k in run}}
 
@@ -367,6 +346,9 @@ def case_report(name: str, workload, runs: list[dict], sim_run, samples: list, p
         "memory_contention": (dataclasses.asdict(sim_run.simulator.memory_contention)
                               if sim_run.simulator.memory_contention is not None else None),
         "workers": worker_breakdown(real.get("workers") or {}, sim_run),
+        "first_decode_gap": {
+            "measured": [measured_first_gap(r.get("workers") or {}) for r in runs],
+            "simulated": first_decode_gap(sim_run.records)},
         "simulated_work_cpu_clock_s": None, "work_error_cpu_clock": None,
         "errors_at_start_sharing": compare(real["summary"], simulate_workload(
             sim_cluster(profile, pools, "at-start"), workload).summary()),
@@ -439,6 +421,10 @@ def print_first_run_details(case: dict) -> None:
         print(format_host_cpu(case["simulated_host_cpu_s"]), flush=True)
     for worker_id, row in case["workers"].items():
         print_worker(worker_id, row)
+    gap = case.get("first_decode_gap") or {}
+    line = format_first_gap((gap.get("measured") or [None])[0], gap.get("simulated"))
+    if line:
+        print(line, flush=True)
     if case["work_error"] is not None:
         print(f"  simulated work vs the workers' measured CPU seconds: "
               f"{100 * case['work_error']:+.1f}%", flush=True)
@@ -522,6 +508,11 @@ def main(argv: list[str] | None = None) -> None:
     with open(profile) as f:
         meta = json.load(f).get("metadata", {})
     host_cpu = configure(args.host_cpu, resimulate_only=args.measured is not None)
+    if getattr(args, "frozen", None) is not None:  # with the frozen calibration's derived terms
+        from benchmarks.sim_frozen_calibration import host_cpu_with_derived
+        from benchmarks.sim_validation_calibration import use_calibration
+        host_cpu = host_cpu_with_derived(args.frozen)
+        use_calibration(host_cpu)
     cpu_profile = cpu_clock_profile(profile)
     report = {"profile": profile, "cpu_clock_profile": cpu_profile, "grid": args.grid,
               "num_kv_blocks": NUM_KV_BLOCKS, "cpu_count": os.cpu_count(),

@@ -56,6 +56,8 @@ def host_cpu_keys(profile: str, pools: dict) -> dict:
         shape = _calibration["pd" if "prefill" in pools else "colocated"]
         keys["front_cpu"] = dict(shape["front_cpu"])
         keys["client_cpu"] = dict(shape["client_cpu"])
+        if "prefill_cpu" in shape:
+            keys["prefill_cpu"] = dict(shape["prefill_cpu"])
     with open(profile) as f:
         link = json.load(f).get("metadata", {}).get("kv_transport") or {}
     if link.get("cpu_s_per_gb"):
@@ -93,17 +95,17 @@ def _measure_server(extra_args: list[str]) -> list[dict]:
     """One server: warm-up, then each calibration workload; CPU s of front and client each."""
     from benchmarks import sim_validation_engine as sv
     from deepinfer.bench.serve_client import run_benchmark
-    from deepinfer.bench.workloads import WorkloadConfig, build_workload
+    from deepinfer.bench.workloads import build_workload
 
     runs = []
-    with sv.warm_server(extra_args) as (proc, _, config):
+    with sv.warm_server(extra_args) as (proc, port, config):
         for output_len in OUTPUT_LENS:
-            workload = build_workload(WorkloadConfig(
-                kind="random", num_prompts=NUM_REQUESTS, input_len=INPUT_LEN,
-                output_len=output_len, request_rate=RATE, seed=777 + output_len))
+            workload = build_workload(calibration_workload(output_len))
             before = sv.process_cpu_seconds(proc.pid)
+            counters_before = sv.worker_counters(port)
             run = asyncio.run(run_benchmark(config, workload.requests))
             after = sv.process_cpu_seconds(proc.pid)
+            counters_after = sv.worker_counters(port)
             failed = [r.error for r in run.results if not r.success]
             if failed:
                 raise RuntimeError(f"calibration run failed: {failed[0]}")
@@ -111,8 +113,20 @@ def _measure_server(extra_args: list[str]) -> list[dict]:
                          "tokens": sum(r.output_len for r in workload.requests),
                          "front_cpu_s": after["front"] - before["front"],
                          "client_cpu_s": after["client"] - before["client"],
-                         "load_average": os.getloadavg()[0]})
+                         "load_average": os.getloadavg()[0],
+                         # each P/D worker's steps and CPU on this fixed workload: the
+                         # in-situ check of the profile's per-step cost (frozen calibration)
+                         "workers": {w: {k: v - counters_before.get(w, {}).get(k, 0.0)
+                                         for k, v in c.items()}
+                                     for w, c in counters_after.items()}})
     return runs
+
+
+def calibration_workload(output_len: int):
+    """The fixed synthetic workload of one calibration run (never a trace)."""
+    from deepinfer.bench.workloads import WorkloadConfig
+    return WorkloadConfig(kind="random", num_prompts=NUM_REQUESTS, input_len=INPUT_LEN,
+                          output_len=output_len, request_rate=RATE, seed=777 + output_len)
 
 
 def costs_from_runs(colocated: list[dict], pd: list[dict]) -> dict:

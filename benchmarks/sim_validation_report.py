@@ -165,3 +165,39 @@ def format_p50_position(label: str, pos: dict | None) -> str:
     return (f"  {name} {label}: {pos['p50_ms']:.0f} ms, {where} ({pos['num_steps']} groups "
             f"> {GROUP_GAP_MS:.0f} ms apart); one request more / fewer before it: "
             f"{_pct(pos['swing'][0])} / {_pct(pos['swing'][1])}")
+
+
+def measured_first_gap(workers: dict[str, dict[str, float]]) -> dict[str, float | None] | None:
+    """The decode workers' counters (one run's, summed over them) as mean seconds per admitted
+    request: allocation wait, KV fetch wait, KV write + admission, admission -> first token;
+    and the mean of the later token gaps. None when no decode worker reported."""
+    decode = [c for w, c in workers.items() if w.startswith("decode")]
+    admitted = sum(c.get("decode_admitted_requests", 0.0) for c in decode)
+    gaps = sum(c.get("decode_token_gaps", 0.0) for c in decode)
+    if not admitted:
+        return None
+
+    def per(key: str, n: float) -> float | None:
+        return sum(c.get(key, 0.0) for c in decode) / n if n else None
+    return {"alloc_wait_s": per("decode_alloc_wait_seconds", admitted),
+            "fetch_wait_s": per("decode_fetch_wait_seconds", admitted),
+            "kv_write_s": per("decode_kv_write_seconds", admitted),
+            "first_token_wait_s": per("decode_first_token_wait_seconds", admitted),
+            "later_gap_s": per("decode_token_gap_seconds", gaps),
+            "num_admitted": admitted, "num_later_gaps": gaps}
+
+
+def format_first_gap(measured: dict | None, simulated: dict | None) -> str | None:
+    """One line: the first decode gap's parts, measured (decode workers) and simulated."""
+    if not measured or not simulated or simulated.get("num_first_gaps", 0) == 0:
+        return None
+
+    def ms(x: float | None) -> str:
+        return "n/a" if x is None else f"{1e3 * x:.1f}"
+    m, s = measured, simulated
+    return (f"  first decode gap (mean ms): measured alloc {ms(m['alloc_wait_s'])} + fetch "
+            f"{ms(m['fetch_wait_s'])} + write {ms(m['kv_write_s'])} + admit->token "
+            f"{ms(m['first_token_wait_s'])}, later gaps {ms(m['later_gap_s'])}; simulated "
+            f"queue+alloc {ms(s['queue_alloc_s'])} + transfer {ms(s['transfer_s'])} + "
+            f"admit->token {ms(s['admit_to_token_s'])} (gap {ms(s['gap_s'])}), later gaps "
+            f"{ms(s['later_gap_s'])}")

@@ -144,9 +144,12 @@ _NEEDS = ("mooncake (timestamp, input_length, output_length, hash_ids), bailian 
 
 
 def read_trace_file(path: str, limit: int | None = None,
-                    options: TraceOptions = TraceOptions()) -> Trace:
-    """The first `limit` requests of the trace at `path` (all when None), times in seconds from
-    the earliest. Raises ValueError naming the file (and line) for anything it cannot read."""
+                    options: TraceOptions = TraceOptions(), start: int = 0) -> Trace:
+    """`limit` requests of the trace at `path` (all when None) from its `start`-th kept one
+    (0: the first), times in seconds from the earliest of them. Raises ValueError naming the
+    file (and line) for anything it cannot read."""
+    if start < 0:
+        raise ValueError(f"trace start must be >= 0, got {start}")
     records = _records(path)
     try:
         first = next(records, None)
@@ -155,7 +158,7 @@ def read_trace_file(path: str, limit: int | None = None,
         name, cols = _layout(f"{path}:{first[0]}", list(first[1]), options.format)
         numeric_unit = _time_unit(path, name, cols, first[1], options)
         whole_ms = name == "mooncake" and options.time_unit is None
-        raw, dropped = [], 0
+        raw, dropped, skipped = [], 0, 0
         for line_no, rec in itertools.chain([first], records):
             if limit is not None and len(raw) >= limit:
                 break
@@ -167,6 +170,9 @@ def read_trace_file(path: str, limit: int | None = None,
                     "(--trace-time-unit ms keeps milliseconds)")
             if name == "burstgpt" and row[2] == 0:
                 dropped += 1
+                continue
+            if skipped < start:  # a held-out window: later requests of the same trace
+                skipped += 1
                 continue
             raw.append(row)
     finally:

@@ -36,6 +36,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trace-block-tokens", type=int, default=None, metavar="N",
                    help="tokens per trace hash_ids entry (default: the format's: Mooncake 512, "
                         "Bailian 16, generic inferred from the rows)")
+    w.add_argument("--trace-start", type=int, default=0, metavar="N",
+                   help="replay the trace from its N-th request (skip the first N; a later "
+                        "window of the same trace)")
     w.add_argument("--token-id-range", default="1000,30000", help="LOW,HIGH of random ids")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--images-per-request", type=int, default=1, help="images workload")
@@ -74,6 +77,7 @@ def workload_config_from_args(args) -> WorkloadConfig:
         trace_format=getattr(args, "trace_format", "auto"),
         trace_time_unit=getattr(args, "trace_time_unit", None),
         trace_block_tokens=getattr(args, "trace_block_tokens", None),
+        trace_start=getattr(args, "trace_start", 0),
         **image_workload_fields(args))
 
 

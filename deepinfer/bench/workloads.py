@@ -61,6 +61,7 @@ class WorkloadConfig:
     trace_format: str = "auto"  # auto | mooncake | bailian | azure | burstgpt | generic
     trace_time_unit: str | None = None  # s | ms; None: the trace format's own
     trace_block_tokens: int | None = None  # tokens per hash id; None: the format's own
+    trace_start: int = 0  # skip this many of the trace's requests (a later window of it)
 
     def __post_init__(self) -> None:
         self.trace_options()  # raises ValueError for a bad trace format / unit / block size
@@ -79,7 +80,8 @@ class WorkloadConfig:
                   (self.shared_prefix_len >= 0, "shared_prefix_len must be non-negative"),
                   (self.request_rate is None or self.request_rate > 0,
                    "request_rate must be positive (inf: all at once)"),
-                  (self.time_scale > 0, "time_scale must be positive")]
+                  (self.time_scale > 0, "time_scale must be positive"),
+                  (self.trace_start >= 0, "trace_start must be non-negative")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -152,7 +154,7 @@ def image_specs(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple[Ima
 def trace_workload(cfg: WorkloadConfig, rng: np.random.Generator
                    ) -> tuple[list, list[float], str]:
     path = cfg.kind.removeprefix("trace:")
-    trace = read_trace_file(path, cfg.num_prompts, cfg.trace_options())
+    trace = read_trace_file(path, cfg.num_prompts, cfg.trace_options(), start=cfg.trace_start)
     rows = trace.rows
     if not rows:
         raise ValueError(f"trace {path!r} has no requests")
@@ -168,7 +170,8 @@ def trace_workload(cfg: WorkloadConfig, rng: np.random.Generator
     times = [row.timestamp_s * cfg.time_scale for row in rows]
     mean_in = np.mean([row.input_len for row in rows])
     mean_out = np.mean([row.output_len for row in rows])
-    description = (f"trace {path} ({trace.describe()}): {len(rows)} requests over "
+    window = f" from request {cfg.trace_start}" if cfg.trace_start else ""
+    description = (f"trace {path} ({trace.describe()}): {len(rows)} requests{window} over "
                    f"{max(times):.1f} s (time x{cfg.time_scale:g}); trace mean input "
                    f"{mean_in:.0f}, output {mean_out:.0f}; shrunk: "
                    f"{cfg.shrink.describe(trace.block_tokens)}")

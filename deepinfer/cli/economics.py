@@ -5,6 +5,7 @@ either token volumes per day or a measured/simulated run's JSON (`bench serve`/`
     deepinfer economics --input-tokens 608B --cache-hit-tokens 342B --output-tokens 168B \
         --nodes 226.75 --accelerator-hour-cost 2
     deepinfer economics --from-run sim.json --accelerators 64 --utilization 0.6 --json e.json
+    deepinfer economics --from-day benchmarks/results/sim_deepseek_day.json --seed-figures
 """
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ def register(sub) -> None:
                    help="bench serve / simulate JSON: its throughput and hit rate, all day")
     v.add_argument("--utilization", type=float, default=1.0,
                    help="with --from-run: share of the day at the run's load")
+    v.add_argument("--from-day", default=None, metavar="JSON",
+                   help="a simulated day (benchmarks/sim_deepseek_day.py): its delivered "
+                        "tokens, hit rate and mean fleet")
+    p.add_argument("--seed-figures", action="store_true",
+                   help="with --from-day: which of the seed's figures (155T tokens/day, $38 "
+                        "per accelerator-hour, the margin above 80 percent, an 81-day "
+                        "payback) hold together")
     f = p.add_argument_group("fleet")
     f.add_argument("--accelerators", type=float, default=None)
     f.add_argument("--nodes", type=float, default=None, help="with --gpus-per-node")
@@ -62,8 +70,25 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _read_day(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        day = data["day"]
+        float(day["input_tokens_per_day"]), float(day["output_tokens_per_day"])
+        float(day["nodes_mean"])
+        return data
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"cannot read simulated day {path}: {e}") from None
+
+
 def _volume(args, sim_accelerators: list):
     from deepinfer.sim.economics import TokenVolume
+    if args.from_day:
+        day = _read_day(args.from_day)["day"]
+        sim_accelerators.append(day["nodes_mean"] * (args.gpus_per_node or 8))
+        hits = day["input_tokens_per_day"] * float(day.get("hit_rate") or 0.0)
+        return TokenVolume(day["input_tokens_per_day"], hits, day["output_tokens_per_day"])
     if args.from_run:
         try:
             with open(args.from_run) as f:
@@ -99,6 +124,26 @@ def _print_day6_reconciliation(volume, prices, fleet) -> None:
           f"{100 * exact.cost_profit_margin:.1f}%")
 
 
+def _print_seed_figures(args, report, prices, fleet) -> None:
+    """The seed's figures checked against each other and the simulated day's throughput."""
+    from deepinfer.sim.seed_economics import SEED, seed_checks
+    data = _read_day(args.from_day)
+    capacity = (data.get("capacity") or {}).get("per_accelerator") or {}
+    full = capacity.get(f"{SEED['cache_hit_rate']:.3f}")
+    if full is None:
+        raise ValueError(f"{args.from_day} has no capacity at {SEED['cache_hit_rate']:.0%} hits")
+    day_rate = report.tokens_per_day / (fleet.num_accelerators * 86400.0)
+    print(f"\nseed figures vs this simulated day ({day_rate:,.0f} tok/s per accelerator on "
+          f"average, {full:,.0f} at full utilisation with {SEED['cache_hit_rate']:.0%} hits):")
+    gb200 = ((data.get("capacity") or {}).get("gb200") or {}).get("per_accelerator") or {}
+    others = ({"GB200 (vLLM settings)": gb200[f"{SEED['cache_hit_rate']:.3f}"]}
+              if f"{SEED['cache_hit_rate']:.3f}" in gb200 else None)
+    for check in seed_checks(full, day_rate, prices, fleet.accelerator_hour_cost,
+                             prices.off_peak_discount or 0.5, other_capacities=others):
+        verdict = {True: "consistent", False: "NOT consistent", None: "depends"}[check.consistent]
+        print(f"  {check.claim:26s} {verdict:15s} {check.implies}; {check.detail}")
+
+
 def run(args: argparse.Namespace) -> int:
     from deepinfer.cli.main import CLIError
     from deepinfer.sim.economics import Fleet, PriceSheet, economics, format_report
@@ -124,6 +169,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     print(format_report(report))
+    if args.seed_figures:
+        if not args.from_day:
+            raise CLIError("--seed-figures needs --from-day (the simulated throughput)")
+        try:
+            _print_seed_figures(args, report, prices, fleet)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
     if args.preset == "deepseek-day6":
         _print_day6_reconciliation(volume, prices, fleet)
     if args.json_path:

@@ -50,19 +50,24 @@ class HostCpuSpec:
     client: CpuCost | None = None
     kv_send_s_per_gb: float = 0.0  # the prefill (sending) end, per GB transferred
     kv_recv_s_per_gb: float = 0.0  # the decode (receiving) end
+    # a P/D prefill worker's own CPU per handed-off request beyond its profiled step (its
+    # handoff path), charged to its next step like the store publishing
+    prefill_per_handoff_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("kv_send_s_per_gb", "kv_recv_s_per_gb"):
             value = getattr(self, name)
             if not 0.0 <= value < 1000.0:
                 raise ValueError(f"kv_transfer_cpu_s_per_gb must be in [0, 1000), got {value}")
+        if not 0.0 <= self.prefill_per_handoff_s < 10.0:
+            raise ValueError("prefill_cpu.per_handoff_s must be in [0, 10) seconds")
 
     @property
     def charges_transfers(self) -> bool:
         return self.kv_send_s_per_gb > 0 or self.kv_recv_s_per_gb > 0
 
 
-HOST_CPU_KEYS = {"front_cpu", "client_cpu", "kv_transfer_cpu_s_per_gb"}
+HOST_CPU_KEYS = {"front_cpu", "client_cpu", "kv_transfer_cpu_s_per_gb", "prefill_cpu"}
 
 
 def host_cpu_from_dict(host: dict) -> HostCpuSpec | None:
@@ -86,12 +91,17 @@ def host_cpu_from_dict(host: dict) -> HostCpuSpec | None:
     kv = host.get("kv_transfer_cpu_s_per_gb") or {}
     if not isinstance(kv, dict) or set(kv) - {"sender", "receiver"}:
         raise ValueError("host.kv_transfer_cpu_s_per_gb must be {sender: s, receiver: s}")
+    prefill = host.get("prefill_cpu") or {}
+    if not isinstance(prefill, dict) or set(prefill) - {"per_handoff_s"}:
+        raise ValueError("host.prefill_cpu must be {per_handoff_s: s}")
     return HostCpuSpec(front=cost("front_cpu", base | {"per_handoff_s"}),
                        client=cost("client_cpu", base),
                        kv_send_s_per_gb=_seconds("host.kv_transfer_cpu_s_per_gb.sender",
                                                  kv.get("sender", 0.0)),
                        kv_recv_s_per_gb=_seconds("host.kv_transfer_cpu_s_per_gb.receiver",
-                                                 kv.get("receiver", 0.0)))
+                                                 kv.get("receiver", 0.0)),
+                       prefill_per_handoff_s=_seconds("host.prefill_cpu.per_handoff_s",
+                                                      prefill.get("per_handoff_s", 0.0)))
 
 
 def _seconds(where: str, value) -> float:

@@ -10,10 +10,16 @@ the routers and EPLB aim for). Per GPU and step:
     attention phase  max(attn_flops_per_pair · pairs / (flops · attn_mfu),
                          kv_bytes · Σ(P + x) / (hbm_bw · bw_eff))
     EP all-to-all    tokens · top_k · hidden · (dispatch + combine bytes) per MoE layer,
-                     the share leaving the node over the NIC, the rest over NVLink,
-                     plus `a2a_latency_s` per dispatch and per combine
-    step             max(compute, all-to-all) with two-micro-batch overlap, else their sum,
-                     plus `step_overhead_s`
+                     the share leaving the node over the NIC, the rest (but the pairs whose
+                     expert is local) over NVLink, plus `a2a_latency_s` per dispatch and per
+                     combine; `ep_collective: all-gather`: (EP - 1) copies per token instead
+    step             compute + all-to-all − overlap · min(compute, all-to-all), plus
+                     `step_overhead_s`: `overlap` is the share of the shorter one that the
+                     two-micro-batch pipeline hides (1: max of the two, 0: their sum)
+
+Routed experts may use another precision than the rest (`expert_dtype`: NVFP4 experts on
+Blackwell read 0.5 B per parameter and run at the FP4 peak); the dispatch may too
+(`dispatch_bytes_per_value`).
 
 Prefill chunks (x > 1) use the expanded-MLA attention FLOPs, decodes the absorbed form.
 
@@ -46,11 +52,22 @@ class RooflineConfig:
     net_eff: float = 0.8  # achieved / peak link bandwidth
     a2a_latency_s: float = 20e-6  # fixed cost of one dispatch or combine
     overlap_comm: bool = True  # two micro-batches hide all-to-all behind compute
+    overlap: float | None = None  # share of min(compute, all-to-all) hidden (None: 1 with
+    # overlap_comm, else 0)
     step_overhead_s: float = 1e-3  # launch, scheduling, sampling
     num_redundant_experts: int = 0  # EPLB replicas over the EP group (per layer)
     node_dedup: bool = False  # a token crosses the NIC once per node (DeepEP normal kernels,
     # prefill) instead of once per remote expert (low-latency kernels, decode)
     expert_load: ExpertLoadSpec | None = None  # None: every EP rank carries the mean load
+    expert_dtype: str | None = None  # routed experts' weights and GEMMs (None: the model's)
+    dispatch_bytes_per_value: float | None = None  # None: the model's (fp8: 1)
+    # all-to-all: dispatch/combine of each (token, expert) pair (DeepEP); all-gather: every
+    # token to every EP rank and a reduce-scatter back (NCCL collectives, vLLM's DP + EP)
+    ep_collective: str = "all-to-all"
+    # MTP: each decode row also verifies this many draft tokens (more GEMM rows and attention
+    # queries over the same KV read); the step emits 1 + accepted tokens per row, which the
+    # caller counts (the scheduler still advances one token per step)
+    mtp_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_load", ExpertLoadSpec.from_value(self.expert_load))
@@ -61,6 +78,33 @@ class RooflineConfig:
                 raise ValueError(f"{name} must be in (0, 1]")
         if self.a2a_latency_s < 0 or self.step_overhead_s < 0 or self.num_redundant_experts < 0:
             raise ValueError("latencies, overheads and redundant experts must be >= 0")
+        if self.overlap is not None and not 0 <= self.overlap <= 1:
+            raise ValueError("overlap must be in [0, 1]")
+        if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
+            raise ValueError(f"expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
+        if self.dispatch_bytes_per_value is not None and not self.dispatch_bytes_per_value > 0:
+            raise ValueError("dispatch_bytes_per_value must be positive")
+        if self.mtp_draft_tokens < 0:
+            raise ValueError("mtp_draft_tokens must be >= 0")
+        if self.ep_collective not in ("all-to-all", "all-gather"):
+            raise ValueError(f"ep_collective must be all-to-all or all-gather, got "
+                             f"{self.ep_collective!r}")
+
+    @property
+    def overlap_share(self) -> float:
+        if self.overlap is not None:
+            return self.overlap
+        return 1.0 if self.overlap_comm else 0.0
+
+
+EXPERT_BYTES_PER_PARAM = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0}
+
+
+def expert_bytes_per_layer(model: AnalyticModel, config: RooflineConfig) -> float:
+    """One routed expert of one layer in the deployment's expert precision."""
+    if config.expert_dtype is None:
+        return model.expert_bytes_per_layer
+    return model.expert_params * EXPERT_BYTES_PER_PARAM[config.expert_dtype]
 
 
 class RooflineStepTime:
@@ -92,7 +136,7 @@ class RooflineStepTime:
                        top_k=m.num_experts_per_tok,
                        num_physical=m.num_experts + c.num_redundant_experts,
                        num_ranks=self.ep_size, ranks_per_node=a.gpus_per_node,
-                       expert_bytes=m.expert_bytes_per_layer,
+                       expert_bytes=expert_bytes_per_layer(m, c),
                        nvlink_bytes_per_s=a.nvlink_bytes_per_s * c.net_eff,
                        network_bytes_per_s=a.network_bytes_per_s * c.net_eff)
 
@@ -108,16 +152,25 @@ class RooflineStepTime:
         its max / mean routed load, is above 1)."""
         m, a, c = self.model, self.accel, self.config
         g = c.num_accelerators
-        tokens = sum(ch.num_new_tokens for ch in chunks) / g
+        rows = 1 + c.mtp_draft_tokens  # query tokens per decode row
+        tokens = sum(ch.num_new_tokens if ch.num_new_tokens > 1 else rows
+                     for ch in chunks) / g
         prefill_pairs = sum(ch.num_new_tokens * (ch.context_len + ch.num_new_tokens / 2)
                             for ch in chunks if ch.num_new_tokens > 1) / g
-        decode_pairs = sum(ch.context_len + 1 for ch in chunks if ch.num_new_tokens == 1) / g
+        decode_pairs = rows * sum(ch.context_len + 1 for ch in chunks
+                                  if ch.num_new_tokens == 1) / g
         kv_tokens = sum(ch.context_len + ch.num_new_tokens for ch in chunks) / g
         flops = a.flops(m.compute_dtype)
-        linear_compute = 2.0 * m.active_params * tokens / (flops * c.mfu)
-        # The busiest rank's extra routed-expert GEMMs (+ 0.0 when balanced: bit-equal).
         routed = m.num_moe_layers * m.num_experts_per_tok * m.expert_params
-        linear_compute += (imbalance - 1.0) * 2.0 * routed * tokens / (flops * c.mfu)
+        expert_dtype = c.expert_dtype or m.compute_dtype
+        if expert_dtype == m.compute_dtype:
+            linear_compute = 2.0 * m.active_params * tokens / (flops * c.mfu)
+            # The busiest rank's extra routed-expert GEMMs (+ 0.0 when balanced: bit-equal).
+            linear_compute += (imbalance - 1.0) * 2.0 * routed * tokens / (flops * c.mfu)
+        else:
+            expert_flops = a.flops(expert_dtype)
+            linear_compute = (2.0 * (m.active_params - routed) * tokens / (flops * c.mfu)
+                              + imbalance * 2.0 * routed * tokens / (expert_flops * c.mfu))
         weights = m.dense_weight_bytes + self._local_expert_bytes(tokens)
         linear_memory = weights / (a.hbm_bytes_per_s * c.bw_eff)
         attn_flops = (m.prefill_attn_flops_per_pair * prefill_pairs
@@ -143,11 +196,21 @@ class RooflineStepTime:
         self.expert_load.drift(seconds)
         return seconds
 
+    def step_time_with(self, chunks: Sequence[ChunkShape], imbalance: float
+                       ) -> tuple[float, dict[str, float]]:
+        """(seconds, breakdown) of one step whose routed experts' busiest rank carries
+        `imbalance` times the mean load (a fixed factor instead of `expert_load`'s draws)."""
+        parts = self.breakdown(chunks, imbalance)
+        return self._combine(parts), parts
+
     def _combine(self, t: dict[str, float]) -> float:
-        compute = t["linear"] + t["attention"]
-        if self.config.overlap_comm:
-            return max(compute, t["all_to_all"]) + t["overhead"]
-        return compute + t["all_to_all"] + t["overhead"]
+        compute, comm = t["linear"] + t["attention"], t["all_to_all"]
+        share = self.config.overlap_share
+        if share == 1.0:
+            return max(compute, comm) + t["overhead"]
+        if share == 0.0:
+            return compute + comm + t["overhead"]
+        return compute + comm - share * min(compute, comm) + t["overhead"]
 
     def _local_expert_bytes(self, tokens_per_gpu: float) -> float:
         """Routed-expert bytes one GPU reads: its experts that any token of the group touches."""
@@ -157,13 +220,15 @@ class RooflineStepTime:
         slots = (m.num_experts + self.config.num_redundant_experts) / self.ep_size
         group_tokens = tokens_per_gpu * self.ep_size
         touched = 1.0 - (1.0 - m.num_experts_per_tok / m.num_experts) ** group_tokens
-        return slots * touched * m.expert_bytes_per_layer * m.num_moe_layers
+        return slots * touched * expert_bytes_per_layer(m, self.config) * m.num_moe_layers
 
     def _all_to_all_s(self, tokens_per_gpu: float, imbalance: float = 1.0) -> float:
         m, a, c = self.model, self.accel, self.config
         if not m.is_moe or self.ep_size <= 1 or tokens_per_gpu <= 0:
             return 0.0
-        per_value = m.dispatch_bytes_per_value + m.combine_bytes_per_value
+        dispatch = (c.dispatch_bytes_per_value if c.dispatch_bytes_per_value is not None
+                    else m.dispatch_bytes_per_value)
+        per_value = dispatch + m.combine_bytes_per_value
         k = m.num_experts_per_tok
         num_nodes = max(1, -(-self.ep_size // a.gpus_per_node))
         if c.node_dedup and num_nodes > 1:
@@ -174,9 +239,16 @@ class RooflineStepTime:
                 nodes = min(nodes, m.max_nodes_per_token)
             remote_sends = nodes * (num_nodes - 1) / num_nodes
             nvlink_sends = k
+        elif c.ep_collective == "all-gather":
+            # Every rank gathers every token and reduce-scatters the partial outputs: EP - 1
+            # copies per token whatever the routing, so the load skew does not lengthen it.
+            remote_sends = max(0, self.ep_size - a.gpus_per_node)
+            nvlink_sends = min(self.ep_size, a.gpus_per_node) - 1
+            imbalance = 1.0
         else:
+            # One copy per (token, expert) pair; pairs whose expert is on this GPU stay home.
             remote_sends = k * max(0, self.ep_size - a.gpus_per_node) / self.ep_size
-            nvlink_sends = k * min(self.ep_size, a.gpus_per_node) / self.ep_size
+            nvlink_sends = k * (min(self.ep_size, a.gpus_per_node) - 1) / self.ep_size
         # The busiest rank receives (and returns) `imbalance` times the mean rank's pairs.
         unit = tokens_per_gpu * m.hidden_size * per_value * imbalance
         # NVLink and the NIC carry their shares at the same time (DeepEP-style).
@@ -190,7 +262,7 @@ def kv_cache_blocks(model: AnalyticModel, accel: AcceleratorSpec, config: Roofli
     the routed experts) and `reserved_fraction` of HBM for activations and buffers."""
     ep = config.ep_size or config.num_accelerators
     experts_per_gpu = (model.num_experts + config.num_redundant_experts) / ep if model.is_moe else 0
-    weights = model.dense_weight_bytes + experts_per_gpu * model.expert_bytes_per_layer * \
+    weights = model.dense_weight_bytes + experts_per_gpu * expert_bytes_per_layer(model, config) * \
         model.num_moe_layers
     free = accel.hbm_bytes * (1.0 - reserved_fraction) - weights
     if free <= 0:

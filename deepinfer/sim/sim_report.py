@@ -141,3 +141,30 @@ def format_comparison(rows) -> str:
         fe = "n/a" if err is None else f"{100 * err:+.1f}%"
         lines.append(f"{name:<26}{fa:>14}{fb:>14}{fe:>10}")
     return "\n".join(lines)
+
+
+def first_decode_gap(records: list[SimRequest]) -> dict[str, float | int | None]:
+    """P/D: the mean parts of each request's first decode gap (its prefill token to its first
+    decode token, which `bench serve` counts as an inter-token interval), in the terms the
+    decode workers' counters use: handoff -> transfer start (the decode worker draining its
+    inputs at a step boundary and allocating), the transfer (link + both ends' CPU), and
+    admission -> first token (the step in progress, then the step it joins); and the mean of
+    the other token gaps."""
+    parts = {"queue_alloc_s": [], "transfer_s": [], "admit_to_token_s": [], "gap_s": []}
+    later: list[float] = []
+    for r in records:
+        times = r.token_times_s
+        if r.admitted_s is None or r.transfer_start_s is None or r.handoff_s is None \
+                or len(times) < 2:
+            continue
+        parts["queue_alloc_s"].append(r.transfer_start_s - r.handoff_s)
+        parts["transfer_s"].append(r.admitted_s - r.transfer_start_s)
+        parts["admit_to_token_s"].append(times[1] - r.admitted_s)
+        parts["gap_s"].append(times[1] - times[0])
+        later.extend(b - a for a, b in zip(times[1:], times[2:]))
+    out: dict[str, float | int | None] = {
+        k: (sum(v) / len(v) if v else None) for k, v in parts.items()}
+    out["num_first_gaps"] = len(parts["gap_s"])
+    out["later_gap_s"] = sum(later) / len(later) if later else None
+    out["num_later_gaps"] = len(later)
+    return out

@@ -20,6 +20,11 @@ class SimRequest:
     finished_s: float | None = None
     error: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    # P/D: the first decode gap's parts (prefill token -> handed off -> KV transfer started ->
+    # admitted on the decode worker -> its first decode token, token_times_s[1])
+    handoff_s: float | None = None
+    transfer_start_s: float | None = None
+    admitted_s: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -462,6 +462,7 @@ class ClusterSimulator:
     # ---- disaggregation --------------------------------------------------------------------
     def _hand_off(self, worker: SimWorker, request_id: str) -> None:
         record = self.requests[request_id]
+        record.handoff_s = self.now
         worker.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self.prefill_router.on_prefill_done(request_id)  # its blocks are published
         if self.host_load is not None:
@@ -478,6 +479,8 @@ class ClusterSimulator:
             step_model = worker.step_model
             worker.stall_s += (num_blocks * bs * step_model.kv_bytes_per_token
                                * step_model.publish_s_per_byte)
+        if self.host_load is not None:  # its handoff path's own CPU, as calibrated
+            worker.stall_s += self.host_load.spec.prefill_per_handoff_s
         routing = RoutingRequest(request_id=request_id, num_prompt_tokens=record.prompt_len,
                                  expected_output_tokens=record.output_len)
         loads = [w.last_load for w in self.pools["decode"]]
@@ -519,6 +522,7 @@ class ClusterSimulator:
         link = self.cluster.kv_transfer
         num_bytes = prompt_len * worker.step_model.kv_bytes_per_token
         start = max(self.now, self._link_free_at.get(worker.worker_id, 0.0))
+        self.requests[request_id].transfer_start_s = self.now
         wire_s = num_bytes / (link.bandwidth_gb_s * 1e9)
         self._link_free_at[worker.worker_id] = start + wire_s
         self.num_transfers += 1
@@ -532,6 +536,7 @@ class ClusterSimulator:
     def _on_transfer_done(self, worker: SimWorker, request_id: str) -> None:
         worker.transferring.pop(request_id)
         worker.scheduler.admit_transferred(request_id)
+        self.requests[request_id].admitted_s = self.now
         if not worker.busy:
             self._start_step(worker)
 

@@ -87,3 +87,37 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
 def test_cli_needs_a_fleet(capsys):
     assert main(["economics", "--input-tokens", "1B", "--output-tokens", "1B"]) == 2
     assert "--accelerators" in capsys.readouterr().err
+
+
+def _day_file(tmp_path, capacity=True):
+    import json
+    day = {"day": {"input_tokens_per_day": 608e9, "output_tokens_per_day": 168e9,
+                   "hit_rate": 0.5625, "nodes_mean": 226.75}}
+    if capacity:
+        day["capacity"] = {"per_accelerator": {"0.563": 6533.0, "0.960": 8854.0}}
+    path = tmp_path / "day.json"
+    path.write_text(json.dumps(day))
+    return str(path)
+
+
+def test_cli_from_a_simulated_day_with_the_seed_figures(tmp_path, capsys):
+    assert main(["economics", "--from-day", _day_file(tmp_path), "--seed-figures"]) == 0
+    out = capsys.readouterr().out
+    assert "$87,072" in out  # 226.75 nodes x 8 GPUs x $2 x 24 h
+    assert "608.00 B" in out and "56.2%" in out
+    assert "> 80% margin" in out and "consistent" in out
+    assert "$38 per accelerator-hour" in out and "NOT consistent" in out  # 17.7k > 8.9k tok/s
+    assert "$69,984 per accelerator" in out  # the capex an 81-day payback implies
+
+
+def test_cli_seed_figures_need_a_day_with_capacity(tmp_path, capsys):
+    assert main(["economics", "--preset", "deepseek-day6", "--seed-figures"]) == 2
+    assert "--from-day" in capsys.readouterr().err
+    assert main(["economics", "--from-day", _day_file(tmp_path, capacity=False),
+                 "--seed-figures"]) == 2
+    assert "no capacity" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["economics", "--from-day", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot read simulated day" in err and "\n" not in err

@@ -233,3 +233,23 @@ def test_the_report_sets_the_simulated_other_cpu_beside_the_measured():
                                  "kv_transfers": 1.5 * sim.transfer_bytes / 1e9})
     assert calib.format_host_cpu(out).startswith("  simulated other CPU s: front 0.00")
     assert calib.simulated_host_cpu(SimpleNamespace(simulator=_sim(PD, None))) is None
+
+
+def test_prefill_cpu_per_handoff_is_the_prefill_workers_own_work():
+    """A P/D prefill worker's handoff path costs it `per_handoff_s` more work per handed-off
+    request (charged to its next step, like publishing); a request that finishes with its
+    first token is not handed off and costs nothing extra."""
+    c = 0.05
+    base = _sim(PD, {"cores": 2})
+    with_cost = _sim(PD, {"cores": 2, "prefill_cpu": {"per_handoff_s": c}})
+    requests = [BenchRequest(IDS, 3, 0.0), BenchRequest(IDS[::-1], 3, 0.5),
+                BenchRequest(IDS[:64], 1, 1.0)]
+    base.run(requests)
+    with_cost.run(requests)
+    extra = with_cost.workers["prefill-0"].work_time_s - base.workers["prefill-0"].work_time_s
+    assert extra == pytest.approx(2 * c)
+    assert with_cost.workers["decode-0"].work_time_s == pytest.approx(
+        base.workers["decode-0"].work_time_s)
+    for bad in ({"per_handoff_s": -1.0}, {"per_request_s": 0.1}, [0.1]):
+        with pytest.raises(ValueError, match="prefill_cpu"):
+            _sim(PD, {"cores": 2, "prefill_cpu": bad})

@@ -256,3 +256,21 @@ def test_simulator_replays_bailian_and_the_cli_names_a_bad_layout(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith("deepinfer simulate: error:") and "unknown trace layout" in err
     assert "\n" not in err
+
+
+def test_a_later_window_skips_kept_requests_and_restarts_the_clock(tmp_path):
+    path = write(tmp_path, "BurstGPT_1.csv", BURSTGPT)
+    full = read_trace_file(path).rows
+    window = read_trace_file(path, limit=1, start=1).rows
+    assert [(r.input_len, r.output_len) for r in window] == [(full[1].input_len,
+                                                             full[1].output_len)]
+    assert window[0].timestamp_s == 0.0  # times count from the window's first request
+    assert read_trace_file(path, start=10).rows == []
+    with pytest.raises(ValueError, match="trace start"):
+        read_trace_file(path, start=-1)
+    from deepinfer.bench.workloads import WorkloadConfig, build_workload
+    with pytest.raises(ValueError, match="trace_start"):
+        WorkloadConfig(kind=f"trace:{path}", trace_start=-2)
+    later = build_workload(WorkloadConfig(kind=f"trace:{path}", num_prompts=2, trace_start=1))
+    assert "from request 1" in later.description
+    assert len(later.requests) == 2
