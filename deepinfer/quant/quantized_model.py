@@ -28,6 +28,7 @@ EMBED_NAME = "model.embed_tokens.weight"
 class _FusedParts:
     num_rows: int
     parts: dict[int, QuantizedWeight]  # row offset -> part
+    names: dict[int, str]  # row offset -> checkpoint name
 
 
 def _module_path(param_name: str) -> str:
@@ -89,11 +90,20 @@ def load_quantized_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
             whole[name] = value
             continue
-        group = fused.setdefault(target.param_name, _FusedParts(0, {}))
+        group = fused.setdefault(target.param_name, _FusedParts(0, {}, {}))
         if target.row_offset in group.parts or value.out_features != target.num_rows:
             raise ValueError(f"checkpoint tensor {name!r}: duplicate or wrong shape "
                              f"({value.out_features} rows, expected {target.num_rows})")
         group.parts[target.row_offset] = value
+        group.names[target.row_offset] = name
+    # A fused layer whose parts mix plain and quantized tensors (a Q4_K_M file keeps q/k in
+    # F32) cannot be one quantized kernel: its quantized parts are expanded and it stays plain.
+    plain_targets = {t.param_name for t in (
+        fused_shard_target(n, config.q_size, config.kv_size, config.intermediate_size)
+        for n, _ in plain) if t is not None}
+    for param_name in plain_targets & fused.keys():
+        group = fused.pop(param_name)
+        plain.extend((group.names[o], w.dequantize(model.dtype)) for o, w in group.parts.items())
     for param_name, group in fused.items():
         path = _module_path(param_name)
         old = model.get_submodule(path)
