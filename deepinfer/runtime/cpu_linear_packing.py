@@ -36,9 +36,11 @@ def _ops_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN."""
+    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN. A CPU
+    whose oneDNN has no bf16 reorder (AVX2 without AVX-NE-CONVERT) gets `packed_weight` None:
+    the small-batch kernel for decode rows, F.linear on the plain weight for the rest."""
 
-    def __init__(self, linear: nn.Linear, packed_weight: Tensor,
+    def __init__(self, linear: nn.Linear, packed_weight: Tensor | None,
                  small_batch: SmallBatchLinear | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -63,6 +65,8 @@ class PackedLinear(nn.Module):
         if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
                 and self.small_batch.applies(x, self.plain_weight)):
             return self.small_batch(x, self.plain_weight, self.bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.plain_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [None], "")
 
@@ -70,6 +74,11 @@ class PackedLinear(nn.Module):
 def _try_pack(linear: nn.Linear) -> PackedLinear | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight, _PACK_BATCH_HINT)
+    except (RuntimeError, TypeError, AttributeError) as e:
+        logger.debug("oneDNN weight packing unavailable: %s", e)
+        small_batch = load_small_batch_linear()  # decode rows still stream the plain weight
+        return PackedLinear(linear, None, small_batch) if small_batch is not None else None
+    try:
         layer = PackedLinear(linear, packed)  # checked on the oneDNN path (3 rows)
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
         with torch.inference_mode():
