@@ -42,6 +42,8 @@ def register(sub) -> None:
     add_cluster_args(p)
     add_parallel_args(p)
     add_media_args(p)
+    from deepinfer.server.limit_args import add_limit_args
+    add_limit_args(p)
     p.set_defaults(func=_run)
 
 
@@ -122,6 +124,8 @@ def _run(args) -> int:
     from deepinfer.multimodal.processor import vision_language_checkpoint
     try:
         media_policy = media_policy_from_args(args)
+        from deepinfer.server.limit_args import limits_from_args
+        limits = limits_from_args(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -129,7 +133,8 @@ def _run(args) -> int:
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
                           mm_model_path=vision_language_checkpoint(engine_config.model),
-                          media_policy=media_policy)
+                          media_policy=media_policy, limits=limits,
+                          admin_api_key=args.admin_api_key)
     if args.demo:
         def on_ready(host: str, port: int) -> None:
             try:

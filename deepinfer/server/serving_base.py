@@ -157,9 +157,18 @@ class OpenAIServing:
         self.gate = gate  # one per server: both endpoints share the waiting limit
         self._token_text: dict[int, str] = {}
 
+    # server.prepare_pool.PreparePool (set by the app): templating and tokenizing run there.
+    prepare_pool = None
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    async def prepare_off_loop(self, prepare, *args):
+        """`prepare(*args)` on the preparation thread (inline without a pool)."""
+        if self.prepare_pool is None:
+            return prepare(*args)
+        return await self.prepare_pool.run(prepare, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:

@@ -134,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt, mm_inputs = await self._process_images(request)
             prompt, params, admission = self._prepare(request, prompt)
         else:
-            prompt, params, admission = self._prepare(request)
+            prompt, params, admission = await self.prepare_off_loop(self._prepare, request)
         response_id = random_id("chatcmpl")
         stream = self.submit(response_id, prompt, params, admission, mm_inputs=mm_inputs)
         if request.stream:

@@ -96,7 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, request: CompletionRequest):
         """A CompletionResponse, or an async iterator of SSE strings when streaming."""
-        prompts, params, admission = self._prepare(request)
+        prompts, params, admission = await self.prepare_off_loop(self._prepare, request)
         response_id = random_id("cmpl")
         streams = [self.submit(f"{response_id}-{i}", p, sp, admission)
                    for i, (p, sp) in enumerate(zip(prompts, params))]
