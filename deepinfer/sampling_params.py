@@ -67,6 +67,9 @@ class SamplingParams:
     # it. The engine tokenizes the words into `bad_words_token_ids` (`resolve_bad_words`).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's cache_salt: keyed into the first block's prefix hash, so only requests with the
+    # same salt share cached prefixes (core.prefix_hash).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +126,9 @@ class SamplingParams:
              "allowed_token_ids must be a non-empty list of token ids"),
             ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words),
              "bad_words must be non-blank strings"),
+            ("cache_salt", self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                                       and self.cache_salt != ""),
+             "cache_salt must be a non-empty string"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -114,6 +114,8 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM: only requests with the same salt share prefix-cache blocks (tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
 
 # --- /v1/completions ---------------------------------------------------------------------------

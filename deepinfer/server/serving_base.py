@@ -291,7 +291,7 @@ class OpenAIServing:
                 repetition_penalty=1.0 if request.repetition_penalty is None
                 else request.repetition_penalty,
                 logit_bias=logit_bias, allowed_token_ids=allowed,
-                bad_words=request.bad_words or [])
+                bad_words=request.bad_words or [], cache_salt=request.cache_salt)
         except InvalidParameter as e:
             raise bad_request(str(e), param=self.request_param(request, e.param)) from None
 
