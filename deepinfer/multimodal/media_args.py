@@ -30,9 +30,9 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-private-media", action="store_true",
                    help="let allowed media hosts resolve to private and loopback addresses "
                         "(default: public addresses only; link-local is always refused)")
-    g.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy().media_fetch_timeout_s,
-                   metavar="SECONDS", help="deadline for one whole image fetch, redirects "
-                                           "included")
+    g.add_argument("--media-fetch-timeout", type=float, metavar="SECONDS",
+                   default=MediaPolicy().media_fetch_timeout_s,
+                   help="deadline for one whole image fetch, redirects included")
     g.add_argument("--max-media-redirects", type=int, default=MediaPolicy().max_media_redirects,
                    help="redirects followed per image fetch, each hop checked again "
                         "(0: refuse redirects)")

@@ -32,6 +32,14 @@ def chat(messages, **fields) -> dict:
     return {"messages": messages, "max_tokens": 3, **fields}
 
 
+def deep(depth: int) -> list:
+    """A list nested `depth` levels deep."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def assert_refused(response, param: str, status: int = 400) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -54,13 +62,11 @@ OVER_THE_CAP = [
     ("completions", completion(prompt=[[11, 12]] * 1025), "prompt"),
     ("completions", completion(logit_bias={str(i): 1.0 for i in range(2000)}), "logit_bias"),
     ("completions", completion(stop_token_ids=[1] * 5000), "stop_token_ids"),
-    ("completions", completion(vllm_xargs=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
-     "vllm_xargs"),
+    ("completions", completion(vllm_xargs=deep(34)), "vllm_xargs"),
     ("chat/completions", chat([{"role": "user", "content": "hi"}] * 1025), "messages"),
-    ("chat/completions", chat([{"role": "user", "content": [{"type": "text", "text": "a"}] * 1025}]),
+    ("chat/completions", chat([{"role": "user", "content": [{"type": "text"}] * 1025}]),
      "messages"),
-    ("chat/completions", chat([{"role": "user", "content": "hi", "x": [[[[[[[[[[[[[[[[[[[[[[[[[[
-        [[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}]), "messages"),
+    ("chat/completions", chat([{"role": "user", "content": "hi", "x": deep(31)}]), "messages"),
 ]
 
 
@@ -81,8 +87,8 @@ def test_requests_at_the_caps_are_served(http):
     assert len(r.json()["choices"]) == 8 * 128
     small, _ = app_client(max_content_parts=4, max_messages=2)
     parts = [{"type": "text", "text": "a"}]
-    assert small.post("/v1/chat/completions", json=chat([{"role": "user", "content": parts * 2}] * 2)
-                      ).status_code == 200
+    two_by_two = [{"role": "user", "content": parts * 2}] * 2
+    assert small.post("/v1/chat/completions", json=chat(two_by_two)).status_code == 200
     assert_refused(small.post("/v1/chat/completions",
                               json=chat([{"role": "user", "content": parts * 5}])), "messages")
     assert_refused(small.post("/v1/chat/completions",
