@@ -134,7 +134,8 @@ def _run(args) -> int:
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
                           mm_model_path=vision_language_checkpoint(engine_config.model),
                           media_policy=media_policy, limits=limits,
-                          admin_api_key=args.admin_api_key)
+                          admin_api_key=args.admin_api_key,
+                          accept_cache_salt=not (args.prefill_workers or args.decode_workers))
     if args.demo:
         def on_ready(host: str, port: int) -> None:
             try:

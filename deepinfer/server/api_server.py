@@ -51,6 +51,9 @@ class ServerConfig:
     media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
     admin_api_key: str | None = None  # /admin/* need this key instead of api_key
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
+    # False where the engines' store tier does not key blocks by cache_salt yet (disaggregated
+    # prefill workers): a salted request is refused rather than silently shared.
+    accept_cache_salt: bool = True
 
 
 class _ClientDisconnected(Exception):
@@ -192,6 +195,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             return from_validation_error(e).to_response()
         check_request(request, limits)  # before any tokenizing, fetching or engine work
+        if request.cache_salt is not None and not config.accept_cache_salt:
+            raise APIError(400, "cache_salt is not supported with disaggregated serving yet",
+                           param="cache_salt", code="unsupported_parameter")
         try:
             result = await _until_disconnect(raw_request, serving.create(request))
         except _ClientDisconnected:

@@ -113,6 +113,10 @@ async def hostile_barrage(url: str):
         return responses, await stream
 
 
+def largest_gap(times: list[float]) -> float:
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
 def declared_body_status(url: str, num_bytes: int) -> int:
     """Declare a 64 MiB body, send none of it: the answer must come from the headers alone."""
     host, port = url.removeprefix("http://").split(":")
@@ -130,6 +134,13 @@ def test_hostile_requests_get_4xx_while_a_stream_keeps_its_tokens(small_server):
     alone = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=120)
     assert alone.status_code == 200, alone.text
     reference = alone.json()["choices"][0]["token_ids"]
+
+    async def stream_alone():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await stream_tokens(client, url)
+
+    streamed_alone, times_alone = asyncio.run(stream_alone())
+    assert streamed_alone == reference
     idle_kv = metric(scrape_metrics(url), "deepinfer:kv_cache_usage_perc")
 
     responses, (streamed, times) = asyncio.run(hostile_barrage(url))
@@ -143,8 +154,10 @@ def test_hostile_requests_get_4xx_while_a_stream_keeps_its_tokens(small_server):
         assert error["message"] and error["type"], (label, error)
         assert not code or error["code"] == code[0], (label, error)
     assert streamed == reference
-    print(f"stream during the barrage: {len(times)} token chunks, largest gap "
-          f"{max(b - a for a, b in zip(times, times[1:])):.3f} s")
+    # Reported, not asserted (a shared machine's timing): the stream's largest token gap
+    # alone and while the barrage is answered.
+    print(f"largest token gap: alone {largest_gap(times_alone):.3f} s, during the barrage "
+          f"{largest_gap(times):.3f} s")
     assert declared_body_status(url, 64 * MB) == 413
     assert wait_for_metric(url, "deepinfer:num_requests_running", lambda v: v == 0) == 0
     assert wait_for_metric(url, "deepinfer:kv_cache_usage_perc",

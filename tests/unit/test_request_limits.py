@@ -195,3 +195,14 @@ def test_tokenizing_runs_off_the_event_loop():
     assert threads and all(name.startswith("deepinfer-prepare") for name in threads)
     assert slow.json()["choices"][0]["text"] == FakeEngineClient().tokenizer.decode(
         FakeEngineClient().tokenizer.encode("slo"))
+
+
+def test_cache_salt_is_refused_where_the_store_tier_would_not_key_by_it():
+    engine = FakeEngineClient()
+    http = TestClient(build_app(engine, ServerConfig(accept_cache_salt=False)))
+    assert_refused(http.post("/v1/completions", json=completion(cache_salt="t")), "cache_salt")
+    assert http.post("/v1/completions", json=completion()).status_code == 200
+    assert len(engine.requests) == 1
+    http, engine = app_client()
+    assert http.post("/v1/completions", json=completion(cache_salt="t")).status_code == 200
+    assert engine.requests[0][1].cache_salt == "t"
