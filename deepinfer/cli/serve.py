@@ -112,6 +112,8 @@ def _run(args) -> int:
     engine_config = engine_config_from_args(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise CLIError("--max-waiting-requests must be at least 1")
+    if args.metrics_need_api_key and not args.api_key:
+        raise CLIError("--metrics-need-api-key needs --api-key")
     if args.max_engine_restarts < 0:
         raise CLIError("--max-engine-restarts must be >= 0")
     from deepinfer.cli.engine_args import ep_config_from_args
@@ -135,6 +137,7 @@ def _run(args) -> int:
                           mm_model_path=vision_language_checkpoint(engine_config.model),
                           media_policy=media_policy, limits=limits,
                           admin_api_key=args.admin_api_key,
+                          metrics_need_api_key=args.metrics_need_api_key,
                           accept_cache_salt=not (args.prefill_workers or args.decode_workers))
     if args.demo:
         def on_ready(host: str, port: int) -> None:

@@ -50,6 +50,7 @@ class ServerConfig:
     mm_model_path: str | None = None
     media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
     admin_api_key: str | None = None  # /admin/* need this key instead of api_key
+    metrics_need_api_key: bool = False  # /metrics behind api_key as well
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     # False where the engines' store tier does not key blocks by cache_salt yet (disaggregated
     # prefill workers): a salted request is refused rather than silently shared.
@@ -157,8 +158,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     if limits.max_concurrent_requests is not None:
         app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent_requests)
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
-                           prefixes=("/v1",) if config.admin_api_key else ("/v1", "/admin"))
+        prefixes = ("/v1",) + (() if config.admin_api_key else ("/admin",)) \
+            + (("/metrics",) if config.metrics_need_api_key else ())
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, prefixes=prefixes)
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):

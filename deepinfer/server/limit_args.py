@@ -27,6 +27,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /admin/* (separate from "
                         "--api-key; without it, /admin answers --api-key holders, or only "
                         "loopback callers when there is no key)")
+    g.add_argument("--metrics-need-api-key", action="store_true",
+                   help="put /metrics behind --api-key too (default: open, like /health)")
     g.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="answer 429 (with Retry-After) while this many /v1 and /admin "
                         "requests are in flight (default: no cap)")

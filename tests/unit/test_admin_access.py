@@ -41,3 +41,14 @@ def test_without_an_admin_key_the_api_key_or_loopback_rules_hold():
     remote = TestClient(build_app(FakeClusterClient(), ServerConfig()),
                         client=("203.0.113.5", 5000))
     assert remote.get("/admin/workers").status_code == 403
+
+
+def test_metrics_behind_the_api_key_only_when_asked():
+    open_metrics = TestClient(build_app(FakeClusterClient(), ServerConfig(api_key="user")))
+    assert open_metrics.get("/metrics").status_code == 200
+    keyed = TestClient(build_app(FakeClusterClient(), ServerConfig(
+        api_key="user", metrics_need_api_key=True)))
+    assert keyed.get("/metrics").status_code == 401
+    r = keyed.get("/metrics", headers=bearer("user"))
+    assert r.status_code == 200 and "deepinfer:" in r.text
+    assert keyed.get("/health").status_code == 200
