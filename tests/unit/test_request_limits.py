@@ -206,3 +206,32 @@ def test_cache_salt_is_refused_where_the_store_tier_would_not_key_by_it():
     http, engine = app_client()
     assert http.post("/v1/completions", json=completion(cache_salt="t")).status_code == 200
     assert engine.requests[0][1].cache_salt == "t"
+
+
+def test_a_prompt_far_over_the_context_is_refused_from_a_prefix():
+    """Context 64, 2000 characters of one-token-per-character text: only a prefix is
+    tokenized; a request that keeps the prompt's tail, or text that tokenizes densely, is
+    tokenized whole and served as before."""
+    from deepinfer.server.prompt_tokens import CHARS_PER_TOKEN_BOUND
+
+    http, engine = app_client()
+    seen: list[int] = []
+    engine.tokenizer.on_encode = lambda text: seen.append(len(text))
+    text = "abcdefghij" * 200
+    error = assert_refused(http.post("/v1/completions", json=completion(prompt=text)), "prompt")
+    assert error["code"] == "context_length_exceeded"
+    assert seen == [64 * CHARS_PER_TOKEN_BOUND] and engine.requests == []
+
+    seen.clear()
+    r = http.post("/v1/completions", json=completion(prompt=text, truncate_prompt_tokens=10))
+    assert r.status_code == 200 and seen == [len(text)]
+    assert engine.requests[-1][0] == engine.tokenizer.encode(text)[-10:]
+
+    class DenseTokenizer(type(engine.tokenizer)):
+        def encode(self, text, add_special_tokens=True):  # one token per 100 characters
+            return [11 + len(text[i:i + 100]) % 50 for i in range(0, len(text), 100)]
+
+    engine.tokenizer = DenseTokenizer()
+    r = http.post("/v1/completions", json=completion(prompt=text))
+    assert r.status_code == 200
+    assert engine.requests[-1][0] == engine.tokenizer.encode(text)
