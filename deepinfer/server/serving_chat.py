@@ -124,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
                                                                             max_tokens), logprobs)
-        return prompt, params, admission or self.admit(1)
+        return prompt, params, admission if admission is not None else self.admit(1)
 
     async def create(self, request: ChatCompletionRequest):
         """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
