@@ -58,6 +58,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's cache_salt: keyed into the first block's prefix hash, so only requests with the
+    # same salt share cached prefixes (core.prefix_hash).
+    cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -67,9 +70,6 @@ class SamplingParams:
     # it. The engine tokenizes the words into `bad_words_token_ids` (`resolve_bad_words`).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
-    # vLLM's cache_salt: keyed into the first block's prefix hash, so only requests with the
-    # same salt share cached prefixes (core.prefix_hash).
-    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

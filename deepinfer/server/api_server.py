@@ -44,17 +44,17 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_waiting_requests: int | None = None
-    log_level: str = "warning"
-    engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
-    # A vision-language checkpoint: chat image parts go through its processor under this policy.
-    mm_model_path: str | None = None
-    media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
     admin_api_key: str | None = None  # /admin/* need this key instead of api_key
     metrics_need_api_key: bool = False  # /metrics behind api_key as well
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     # False where the engines' store tier does not key blocks by cache_salt yet (disaggregated
     # prefill workers): a salted request is refused rather than silently shared.
     accept_cache_salt: bool = True
+    log_level: str = "warning"
+    engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
+    # A vision-language checkpoint: chat image parts go through its processor under this policy.
+    mm_model_path: str | None = None
+    media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
 
 
 class _ClientDisconnected(Exception):
@@ -144,14 +144,14 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     gate = AdmissionGate(config.max_waiting_requests, lambda: client.num_waiting_requests)
     completion = OpenAIServingCompletion(client, metrics, served_names, gate)
     chat = OpenAIServingChat(client, metrics, served_names, gate)
-    completion.prepare_pool = chat.prepare_pool = PreparePool()
-    limits = config.limits
     if config.mm_model_path:
         from deepinfer.multimodal.image_input import MediaPolicy
         from deepinfer.multimodal.processor import MultiModalProcessor
         policy = config.media_policy or MediaPolicy()
         chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path), policy)
-        limits = dataclasses.replace(limits, max_images_per_request=policy.limit_per_prompt)
+    completion.prepare_pool = chat.prepare_pool = PreparePool()
+    limits = config.limits if not config.mm_model_path else dataclasses.replace(
+        config.limits, max_images_per_request=policy.limit_per_prompt)
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)

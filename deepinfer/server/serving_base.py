@@ -280,6 +280,7 @@ class OpenAIServing:
             return SamplingParams(
                 n=request.n, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=request.min_p if request.min_p is not None else 0.0,
+                cache_salt=request.cache_salt,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
                 stop=request.stop or [], stop_token_ids=stop_token_ids,
                 ignore_eos=request.ignore_eos, logprobs=logprobs,
@@ -291,7 +292,7 @@ class OpenAIServing:
                 repetition_penalty=1.0 if request.repetition_penalty is None
                 else request.repetition_penalty,
                 logit_bias=logit_bias, allowed_token_ids=allowed,
-                bad_words=request.bad_words or [], cache_salt=request.cache_salt)
+                bad_words=request.bad_words or [])
         except InvalidParameter as e:
             raise bad_request(str(e), param=self.request_param(request, e.param)) from None
 

@@ -100,8 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:  # ImageInputError included: the image's or the messages' fault
             raise bad_request(str(e), param="messages") from None
 
-    def _prepare(self, request: ChatCompletionRequest, prompt: list[int] | None = None,
-                 admission=None):
+    def _prepare(self, request: ChatCompletionRequest, prompt: list[int] | None = None):
         self.check_model(request.model)
         self.reject_unsupported(request)
         if request.tools:
@@ -124,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
                                                                             max_tokens), logprobs)
-        return prompt, params, admission if admission is not None else self.admit(1)
+        return prompt, params, self.admit(1)
 
     async def create(self, request: ChatCompletionRequest):
         """A ChatCompletionResponse, or an async iterator of SSE strings when streaming."""
@@ -132,13 +131,14 @@ class OpenAIServingChat(OpenAIServing):
         if self.mm_processor is not None or has_image_parts(request.messages):
             # A vision-language checkpoint's chat template lives with its processor.
             self.check_model(request.model)
-            admission = self.admit(1)  # before any fetch: the waiting limit bounds image work
+            # Held while the images are fetched (the waiting limit bounds image work), then
+            # handed to `_prepare`'s own admission with no await in between.
+            fetching = self.admit(1)
             try:
                 prompt, mm_inputs = await self._process_images(request)
-                prompt, params, admission = self._prepare(request, prompt, admission)
-            except BaseException:
-                admission.release()
-                raise
+            finally:
+                fetching.release()
+            prompt, params, admission = self._prepare(request, prompt)
         else:
             prompt, params, admission = await self.prepare_off_loop(self._prepare, request)
         response_id = random_id("chatcmpl")
