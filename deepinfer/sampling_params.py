@@ -58,6 +58,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's cache_salt: keyed into the first block's prefix hash, so only requests with the
+    # same salt share cached prefixes (core.prefix_hash).
+    cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -123,6 +126,9 @@ class SamplingParams:
              "allowed_token_ids must be a non-empty list of token ids"),
             ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words),
              "bad_words must be non-blank strings"),
+            ("cache_salt", self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                                       and self.cache_salt != ""),
+             "cache_salt must be a non-empty string"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -39,6 +39,8 @@ def register(sub) -> None:
         "--max-engine-restarts", type=int, default=5,
         help="restart a dead engine process (with back-off) up to this many times in a row; "
              "0: never (default: 5)")
+    from deepinfer.server.limit_args import add_limit_args
+    add_limit_args(p)
     add_cluster_args(p)
     add_parallel_args(p)
     add_media_args(p)
@@ -110,6 +112,8 @@ def _run(args) -> int:
     engine_config = engine_config_from_args(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise CLIError("--max-waiting-requests must be at least 1")
+    if args.metrics_need_api_key and not args.api_key:
+        raise CLIError("--metrics-need-api-key needs --api-key")
     if args.max_engine_restarts < 0:
         raise CLIError("--max-engine-restarts must be >= 0")
     from deepinfer.cli.engine_args import ep_config_from_args
@@ -121,11 +125,16 @@ def _run(args) -> int:
     from deepinfer.multimodal.media_args import media_policy_from_args
     from deepinfer.multimodal.processor import vision_language_checkpoint
     try:
+        from deepinfer.server.limit_args import limits_from_args
+        limits = limits_from_args(args)
         media_policy = media_policy_from_args(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests,
+                          limits=limits, admin_api_key=args.admin_api_key,
+                          metrics_need_api_key=args.metrics_need_api_key,
+                          accept_cache_salt=not (args.prefill_workers or args.decode_workers),
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
                           mm_model_path=vision_language_checkpoint(engine_config.model),

@@ -68,7 +68,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self.hash_salt
         for i in range(len(hashes), num_full):
             start, end = i * self.block_size, (i + 1) * self.block_size
-            extra = block_extra_keys(start, end, request.mm_placeholders)
+            extra = block_extra_keys(start, end, request.mm_placeholders,
+                                     request.sampling_params.cache_salt)
             parent = hash_block_tokens(parent, request.all_token_ids[start:end], extra)
             hashes.append(parent)
 

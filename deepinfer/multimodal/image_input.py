@@ -2,8 +2,9 @@
 the content hash that keys its embeddings everywhere (`image_content_hash`).
 
 The engine never reaches the network unless the operator says so: `data:` URLs are always
-accepted, `http(s)` only for hosts listed in `allowed_media_domains`, `file://` only under
-`allowed_local_media_path`. Every refusal is an `ImageInputError` (a `ValueError`) whose message
+accepted, `http(s)` only for hosts listed in `allowed_media_domains` (fetched by
+`media_fetch`: public addresses only, every redirect re-checked, one deadline), `file://` only
+under `allowed_local_media_path`. Every refusal is an `ImageInputError` (a `ValueError`) whose message
 is safe to send back to the client as a 400.
 """
 from __future__ import annotations
@@ -14,11 +15,12 @@ import hashlib
 import io
 import os
 import urllib.parse
-import urllib.request
 import warnings
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
+
+from deepinfer.multimodal.media_fetch import FetchRules, MediaFetchError, fetch_remote
 
 # Formats Pillow must report after decoding; the declared MIME type is only a first check.
 ALLOWED_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
@@ -35,18 +37,34 @@ class ImageInputError(ValueError):
 @dataclass(frozen=True)
 class MediaPolicy:
     """What the operator allows (`--limit-mm-per-prompt`, `--allowed-local-media-path`,
-    `--allowed-media-domains`)."""
+    `--allowed-media-domains`, `--allow-private-media`, `--media-fetch-timeout`,
+    `--max-media-redirects`)."""
 
     limit_per_prompt: int = 4
     max_pixels: int = 16_777_216
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
+    allow_private_media: bool = False  # private and loopback addresses (never link-local)
+    media_fetch_timeout_s: float = REMOTE_TIMEOUT_S  # the whole fetch, redirects included
+    max_media_redirects: int = 3
+    max_image_bytes: int = MAX_IMAGE_BYTES
 
     def __post_init__(self) -> None:
         if self.limit_per_prompt < 0:
             raise ValueError(f"limit_per_prompt must be >= 0, got {self.limit_per_prompt}")
         if self.max_pixels < 1:
             raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError(f"media_fetch_timeout_s must be > 0, got {self.media_fetch_timeout_s}")
+        if self.max_media_redirects < 0:
+            raise ValueError(f"max_media_redirects must be >= 0, got {self.max_media_redirects}")
+
+    def fetch_rules(self) -> FetchRules:
+        return FetchRules(allowed_domains=frozenset(d.lower() for d in self.allowed_media_domains),
+                          allowed_mime_types=frozenset(ALLOWED_MIME_TYPES),
+                          max_bytes=self.max_image_bytes, timeout_s=self.media_fetch_timeout_s,
+                          max_redirects=self.max_media_redirects,
+                          allow_private=self.allow_private_media)
 
 
 def check_image_count(num_images: int, policy: MediaPolicy) -> None:
@@ -139,20 +157,10 @@ def _read_data_url(url: str) -> bytes:
 
 
 def _read_remote(url: str, policy: MediaPolicy) -> bytes:
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
-    allowed = {d.lower() for d in policy.allowed_media_domains}
-    if host not in allowed:
-        raise ImageInputError(
-            f"Remote image URLs are refused (host '{host}'): send the image as a data URL, or start the "
-            "server with --allowed-media-domains to allow this host")
     try:
-        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as response:  # noqa: S310 (scheme checked)
-            data = response.read(MAX_IMAGE_BYTES + 1)
-    except OSError as exc:
-        raise ImageInputError(f"Could not fetch the image from {host}: {exc}") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ImageInputError(f"The image at {host} is larger than {MAX_IMAGE_BYTES} bytes")
-    return data
+        return fetch_remote(url, policy.fetch_rules())
+    except MediaFetchError as exc:
+        raise ImageInputError(str(exc)) from None
 
 
 def _read_local(url: str, policy: MediaPolicy) -> bytes:

@@ -27,6 +27,15 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
                         "fetches from the network)")
     g.add_argument("--max-image-pixels", type=int, default=MediaPolicy().max_pixels,
                    help="refuse images with more pixels than this (width x height)")
+    g.add_argument("--allow-private-media", action="store_true",
+                   help="let allowed media hosts resolve to private and loopback addresses "
+                        "(default: public addresses only; link-local is always refused)")
+    g.add_argument("--media-fetch-timeout", type=float, metavar="SECONDS",
+                   default=MediaPolicy().media_fetch_timeout_s,
+                   help="deadline for one whole image fetch, redirects included")
+    g.add_argument("--max-media-redirects", type=int, default=MediaPolicy().max_media_redirects,
+                   help="redirects followed per image fetch, each hop checked again "
+                        "(0: refuse redirects)")
 
 
 def parse_limit_mm_per_prompt(text: str | None) -> int:
@@ -78,6 +87,15 @@ def media_policy_from_args(args: argparse.Namespace) -> MediaPolicy:
     max_pixels = getattr(args, "max_image_pixels", MediaPolicy().max_pixels)
     if max_pixels < 1:
         raise ValueError(f"--max-image-pixels must be >= 1, got {max_pixels}")
+    defaults = MediaPolicy()
+    timeout = getattr(args, "media_fetch_timeout", defaults.media_fetch_timeout_s)
+    if not timeout > 0:
+        raise ValueError(f"--media-fetch-timeout must be > 0, got {timeout}")
+    redirects = getattr(args, "max_media_redirects", defaults.max_media_redirects)
+    if redirects < 0:
+        raise ValueError(f"--max-media-redirects must be >= 0, got {redirects}")
     return MediaPolicy(limit_per_prompt=parse_limit_mm_per_prompt(getattr(args, "limit_mm_per_prompt", None)),
                        max_pixels=max_pixels, allowed_local_media_path=local,
-                       allowed_media_domains=domains)
+                       allowed_media_domains=domains,
+                       allow_private_media=getattr(args, "allow_private_media", False),
+                       media_fetch_timeout_s=timeout, max_media_redirects=redirects)

@@ -3,10 +3,12 @@
     POST /admin/scale    {"role": "decode", "count": 2, "wait": true}  -> what was added/removed
     GET  /admin/workers  -> each worker's role, state, requests and placement
 
-With --api-key they need the key (like /v1/*); without one they answer only to this machine
-(loopback), since they change what the server runs."""
+With --admin-api-key they need that key (and --api-key alone does not open them); else with
+--api-key they need that key (like /v1/*); with neither they answer only to this machine
+(loopback), since they change what the server runs. Keys are compared in constant time."""
 from __future__ import annotations
 
+import hmac
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -27,9 +29,19 @@ class ScaleRequest(BaseModel):
     wait: bool = True  # until added workers serve and removed ones are drained
 
 
-def add_admin_routes(app: FastAPI, client, api_key: str | None) -> None:
+def bearer_token(raw_request: Request) -> bytes:
+    header = raw_request.headers.get("authorization", "").encode()
+    return header[7:] if header[:7].lower() == b"bearer " else b""
+
+
+def add_admin_routes(app: FastAPI, client, api_key: str | None,
+                     admin_api_key: str | None = None) -> None:
     def check_access(raw_request: Request) -> None:
-        if not api_key and (raw_request.client is None
+        if admin_api_key:
+            if not hmac.compare_digest(bearer_token(raw_request), admin_api_key.encode()):
+                raise APIError(401, "Invalid or missing admin API key (--admin-api-key)",
+                               type="authentication_error", code="invalid_api_key")
+        elif not api_key and (raw_request.client is None
                             or raw_request.client.host not in LOOPBACK_HOSTS):
             raise APIError(403, "admin endpoints without --api-key answer only to this machine",
                            type="permission_error")

@@ -7,9 +7,14 @@ let every concurrent arrival see the same count and pass. The gate therefore *re
 admitted requests in the same synchronous step as the check, and each reservation is handed
 over to the client's own count when its engine request starts (`Admission.start_one`, called
 right before the first `generate()` step, with no await in between).
+
+Admission may be taken on the request-preparation thread (`prepare_pool`) while the loop
+starts or releases others, so the count is changed under a lock (re-entrant: a release from
+`__del__` can run inside a locked section of the same thread).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from deepinfer.server.errors import APIError
@@ -22,14 +27,17 @@ class AdmissionGate:
         self.limit = limit
         self.num_waiting = num_waiting  # the client's count of started, not yet running
         self.num_reserved = 0  # admitted, engine request not started yet
+        self.lock = threading.RLock()
 
     def admit(self, num_requests: int) -> Admission:
         """Reserve `num_requests` engine requests, or raise the 429 APIError."""
-        if self.limit is not None and \
-                self.num_waiting() + self.num_reserved + num_requests > self.limit:
-            raise APIError(429, f"Too many waiting requests (limit {self.limit}); retry later",
-                           type="rate_limit_error", code="rate_limit_exceeded")
-        self.num_reserved += num_requests
+        with self.lock:
+            if self.limit is not None and \
+                    self.num_waiting() + self.num_reserved + num_requests > self.limit:
+                raise APIError(429, f"Too many waiting requests (limit {self.limit}); retry "
+                               "later", type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            self.num_reserved += num_requests
         return Admission(self, num_requests)
 
 
@@ -44,13 +52,15 @@ class Admission:
 
     def start_one(self) -> None:
         """One engine request is starting now; from here the client counts it."""
-        if self._left > 0:
-            self._left -= 1
-            self._gate.num_reserved -= 1
+        with self._gate.lock:
+            if self._left > 0:
+                self._left -= 1
+                self._gate.num_reserved -= 1
 
     def release(self) -> None:
-        self._gate.num_reserved -= self._left
-        self._left = 0
+        with self._gate.lock:
+            self._gate.num_reserved -= self._left
+            self._left = 0
 
     def __del__(self) -> None:
         self.release()

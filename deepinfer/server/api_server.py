@@ -9,6 +9,7 @@ request and so frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from dataclasses import dataclass
@@ -23,11 +24,14 @@ from deepinfer.server.admission import AdmissionGate
 from deepinfer.server.engine_client import EngineClient
 from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.errors import APIError, from_validation_error
+from deepinfer.server.http_guards import BodySizeLimitMiddleware, ConcurrencyLimitMiddleware
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepinfer.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ErrorResponse, ModelCard, ModelList,
 )
+from deepinfer.server.prepare_pool import PreparePool
+from deepinfer.server.request_limits import RequestLimits, check_request
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
 
@@ -40,6 +44,12 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    admin_api_key: str | None = None  # /admin/* need this key instead of api_key
+    metrics_need_api_key: bool = False  # /metrics behind api_key as well
+    limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
+    # False where the engines' store tier does not key blocks by cache_salt yet (disaggregated
+    # prefill workers): a salted request is refused rather than silently shared.
+    accept_cache_salt: bool = True
     log_level: str = "warning"
     engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
@@ -80,7 +90,9 @@ def _documented_body(model) -> dict:
 
 def _error_responses() -> dict:
     doc = {400: "Invalid request", 401: "Missing or wrong API key",
-           429: "Too many waiting requests", 500: "The engine failed during the request",
+           413: "Request body over --max-request-body-bytes",
+           429: "Too many waiting or concurrent requests (see Retry-After)",
+           500: "The engine failed during the request",
            503: "The engine is restarting"}
     return {code: {"model": ErrorResponse, "description": text} for code, text in doc.items()}
 
@@ -101,15 +113,17 @@ def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
 
 
 class ApiKeyMiddleware:
-    """401 for /v1/* and /admin/* requests without `Authorization: Bearer <api_key>`. Pure
-    ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
+    """401 for requests under `prefixes` (/v1, and /admin unless it has its own key) without
+    `Authorization: Bearer <api_key>`. Pure ASGI (not BaseHTTPMiddleware) so streaming and
+    disconnect detection pass through untouched."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, prefixes: tuple[str, ...] = ("/v1", "/admin")) -> None:
         self.app = app
         self.api_key = api_key.encode()
+        self.prefixes = prefixes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/admin")):
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
             headers = dict(scope.get("headers") or [])
             header = headers.get(b"authorization", b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
@@ -133,12 +147,20 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     if config.mm_model_path:
         from deepinfer.multimodal.image_input import MediaPolicy
         from deepinfer.multimodal.processor import MultiModalProcessor
-        chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path),
-                           config.media_policy or MediaPolicy())
+        policy = config.media_policy or MediaPolicy()
+        chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path), policy)
+    completion.prepare_pool = chat.prepare_pool = PreparePool()
+    limits = config.limits if not config.mm_model_path else dataclasses.replace(
+        config.limits, max_images_per_request=policy.limit_per_prompt)
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
 
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if limits.max_concurrent_requests is not None:
+        app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent_requests)
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        prefixes = ("/v1",) + (() if config.admin_api_key else ("/admin",)) \
+            + (("/metrics",) if config.metrics_need_api_key else ())
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, prefixes=prefixes)
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):
@@ -174,6 +196,10 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             request = request_cls.model_validate_json(await raw_request.body())
         except ValidationError as e:
             return from_validation_error(e).to_response()
+        check_request(request, limits)  # before any tokenizing, fetching or engine work
+        if request.cache_salt is not None and not config.accept_cache_salt:
+            raise APIError(400, "cache_salt is not supported with disaggregated serving yet",
+                           param="cache_salt", code="unsupported_parameter")
         try:
             result = await _until_disconnect(raw_request, serving.create(request))
         except _ClientDisconnected:
@@ -197,7 +223,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         return await serve(raw_request, ChatCompletionRequest, chat)
 
     from deepinfer.server.admin_routes import add_admin_routes
-    add_admin_routes(app, client, config.api_key)  # POST /admin/scale, GET /admin/workers
+    # POST /admin/scale, GET /admin/workers
+    add_admin_routes(app, client, config.api_key, config.admin_api_key)
 
     app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest])
     return app

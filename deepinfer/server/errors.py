@@ -11,16 +11,18 @@ class APIError(Exception):
     """An error returned to the client as `{"error": {message, type, param, code}}`."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers  # e.g. Retry-After on a 429
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def body(self) -> dict:
         return ErrorResponse(error=self.info).model_dump()
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -100,6 +100,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM: only requests with the same salt share prefix-cache blocks (tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None

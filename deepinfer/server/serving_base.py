@@ -157,9 +157,18 @@ class OpenAIServing:
         self.gate = gate  # one per server: both endpoints share the waiting limit
         self._token_text: dict[int, str] = {}
 
+    # server.prepare_pool.PreparePool (set by the app): templating and tokenizing run there.
+    prepare_pool = None
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    async def prepare_off_loop(self, prepare, *args):
+        """`prepare(*args)` on the preparation thread (inline without a pool)."""
+        if self.prepare_pool is None:
+            return prepare(*args)
+        return await self.prepare_pool.run(prepare, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -271,6 +280,7 @@ class OpenAIServing:
             return SamplingParams(
                 n=request.n, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=request.min_p if request.min_p is not None else 0.0,
+                cache_salt=request.cache_salt,
                 seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
                 stop=request.stop or [], stop_token_ids=stop_token_ids,
                 ignore_eos=request.ignore_eos, logprobs=logprobs,

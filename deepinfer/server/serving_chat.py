@@ -131,10 +131,16 @@ class OpenAIServingChat(OpenAIServing):
         if self.mm_processor is not None or has_image_parts(request.messages):
             # A vision-language checkpoint's chat template lives with its processor.
             self.check_model(request.model)
-            prompt, mm_inputs = await self._process_images(request)
+            # Held while the images are fetched (the waiting limit bounds image work), then
+            # handed to `_prepare`'s own admission with no await in between.
+            fetching = self.admit(1)
+            try:
+                prompt, mm_inputs = await self._process_images(request)
+            finally:
+                fetching.release()
             prompt, params, admission = self._prepare(request, prompt)
         else:
-            prompt, params, admission = self._prepare(request)
+            prompt, params, admission = await self.prepare_off_loop(self._prepare, request)
         response_id = random_id("chatcmpl")
         stream = self.submit(response_id, prompt, params, admission, mm_inputs=mm_inputs)
         if request.stream:

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.prompt_tokens import encode_within_context
 from deepinfer.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob,
     random_id,
@@ -67,8 +68,9 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized = []
         for p in prompt:
             if isinstance(p, str):
-                tokenized.append(self.client.tokenizer.encode(
-                    p, add_special_tokens=request.add_special_tokens))
+                tokenized.append(encode_within_context(
+                    self.client.tokenizer, p, None if request.truncate_prompt_tokens is not None
+                    else self.client.max_model_len, request.add_special_tokens))
             else:
                 self.check_token_ids(p)
                 tokenized.append(list(p))
@@ -96,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, request: CompletionRequest):
         """A CompletionResponse, or an async iterator of SSE strings when streaming."""
-        prompts, params, admission = self._prepare(request)
+        prompts, params, admission = await self.prepare_off_loop(self._prepare, request)
         response_id = random_id("cmpl")
         streams = [self.submit(f"{response_id}-{i}", p, sp, admission)
                    for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -184,7 +184,7 @@ def test_openapi_describes_the_request_bodies(server):
         assert operation["requestBody"]["required"]
         assert operation["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{name}"}
-        assert set(operation["responses"]) == {"200", "400", "401", "429", "500", "503"}
+        assert set(operation["responses"]) == {"200", "400", "401", "413", "429", "500", "503"}
     completion = schemas["CompletionRequest"]
     assert completion["required"] == ["prompt"]
     props = completion["properties"]

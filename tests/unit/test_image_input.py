@@ -95,25 +95,17 @@ def test_file_urls_only_under_the_allowed_path(tmp_path):
 
 
 def test_remote_fetch_only_for_allowed_domains(monkeypatch):
-    fetched = []
-
-    class Response(io.BytesIO):
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    def fake_urlopen(url, timeout):
-        fetched.append(url)
-        return Response(encoded("PNG"))
-
-    monkeypatch.setattr("urllib.request.urlopen", fake_urlopen)
+    """A host outside --allowed-media-domains is refused before any lookup or connection
+    (the fetch itself is tested against a local server in test_media_fetch.py)."""
+    touched = []
+    monkeypatch.setattr("socket.getaddrinfo", lambda *a, **k: touched.append(a) or [])
+    monkeypatch.setattr("socket.create_connection", lambda *a, **k: touched.append(a))
     policy = MediaPolicy(allowed_media_domains=("images.example.com",))
-    assert load_image("https://images.example.com/a.png", policy).size == (8, 6)
     with pytest.raises(ImageInputError, match="refused"):
         load_image("https://evil.example.com/a.png", policy)
-    assert fetched == ["https://images.example.com/a.png"]
+    with pytest.raises(ImageInputError, match="refused"):
+        load_image("https://images.example.com.evil.net/a.png", MediaPolicy())
+    assert touched == []
 
 
 def test_image_count_limit():

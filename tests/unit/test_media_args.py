@@ -48,3 +48,14 @@ def test_policy_flags_refuse_bad_values(tmp_path):
         policy("--allowed-media-domains", "https://example.com")
     with pytest.raises(ValueError, match="--max-image-pixels"):
         policy("--max-image-pixels", "0")
+
+
+def test_fetch_flags():
+    p = policy("--allow-private-media", "--media-fetch-timeout", "2.5", "--max-media-redirects", "0")
+    assert p.allow_private_media and p.media_fetch_timeout_s == 2.5 and p.max_media_redirects == 0
+    default = policy()
+    assert not default.allow_private_media and default.max_media_redirects == 3
+    with pytest.raises(ValueError, match="--media-fetch-timeout"):
+        policy("--media-fetch-timeout", "0")
+    with pytest.raises(ValueError, match="--max-media-redirects"):
+        policy("--max-media-redirects", "-1")
