@@ -44,7 +44,8 @@ async def stop_worker_processes(workers: Iterable[tuple[object, zmq.asyncio.Sock
     for proc, sock, shutdown_frame in workers:
         if proc is not None and proc.is_alive():
             try:
-                await sock.send(shutdown_frame)
+                # Never blocks: a PUSH whose worker already went has no peer to queue for.
+                await sock.send(shutdown_frame, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     for proc, sock, _ in workers:
