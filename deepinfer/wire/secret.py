@@ -67,8 +67,11 @@ def ensure_cluster_secret(secret_file: str | None = None) -> str:
 
 def cluster_key() -> bytes:
     """The HMAC key of this deployment (derived from the secret, domain-separated)."""
-    secret = ensure_cluster_secret().encode("utf-8")
-    return hashlib.sha256(b"deepinfer wire key v1\x00" + secret).digest()
+    return derive_key(ensure_cluster_secret())
+
+
+def derive_key(secret: str) -> bytes:
+    return hashlib.sha256(b"deepinfer wire key v1\x00" + secret.encode("utf-8")).digest()
 
 
 def key_id(key: bytes) -> bytes:
