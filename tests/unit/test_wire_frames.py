@@ -155,3 +155,15 @@ def test_reports_from_other_processes_merge_and_ignore_junk():
                                  {"engine.input/mac": 3, "bogus": 9, "x/not-a-reason": 1,
                                   "kv.pull/replay": -4})
     assert merged == {("engine.input", "mac"): 5, ("kv.pull", "frames"): 1}
+
+
+def test_wire_sits_low_it_imports_neither_server_cluster_torch_nor_zmq():
+    import subprocess
+    import sys
+
+    code = ("import sys, deepinfer.wire; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq') "
+            "or m.startswith(('deepinfer.server', 'deepinfer.cluster', 'deepinfer.ep'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
