@@ -35,6 +35,7 @@ from deepinfer.server.messages import (
 )
 from deepinfer.server.zmq_inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokenizer_from_files
+from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
 
@@ -347,5 +348,7 @@ def _add_counters(base: EngineStatsSnapshot, current: EngineStatsSnapshot
     per_pos = [a + b for a, b in itertools.zip_longest(
         base.spec_decode_num_accepted_tokens_per_pos,
         current.spec_decode_num_accepted_tokens_per_pos, fillvalue=0)]
-    return msgspec.structs.replace(current, spec_decode_num_accepted_tokens_per_pos=per_pos, **{
+    drops = sum_reports((base.wire_frames_dropped, current.wire_frames_dropped))
+    return msgspec.structs.replace(current, spec_decode_num_accepted_tokens_per_pos=per_pos,
+                                   wire_frames_dropped=drops, **{
         name: getattr(base, name) + getattr(current, name) for name in _COUNTERS})
