@@ -270,7 +270,9 @@ class DisaggClient:
                                   for c in counters),
             num_failed_steps=sum(c.num_failed_steps for c in counters),
             num_failed_requests=sum(c.num_failed_requests for c in counters),
-            wire_frames_dropped=sum_reports(c.wire_frames_dropped for c in counters),
+            wire_frames_dropped=sum_reports([c.wire_frames_dropped for c in counters] + (
+                [w.counters.wire_frames_dropped for w in self.encode_stage.workers.values()]
+                if self.encode_stage is not None else [])),
             **spec_decode_totals(counters))
 
     # --- requests ----------------------------------------------------------------------------

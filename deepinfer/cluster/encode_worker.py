@@ -39,7 +39,7 @@ from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
 from deepinfer.multimodal.mm_inputs import PixelArray
 from deepinfer.server.zmq_inbox import drain_messages
-from deepinfer.wire import ChannelReceiver, channel_name
+from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, channel_name
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +285,7 @@ class EncodeWorkerLoop:
         return True
 
     def send_report(self) -> None:
+        self.worker.counters.wire_frames_dropped = PROCESS_DROPS.as_report()
         report = EncodeWorkerReport(
             worker_id=self.spec.worker_id, num_queued_images=self.worker.num_queued_images,
             num_queued_patches=self.worker.num_queued_patches, counters=self.worker.counters,
