@@ -32,6 +32,10 @@ def register(sub) -> None:
     g.add_argument("--demo-question", default=DEMO_QUESTION)
     g = group(p, "security")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the secret that signs every frame between this server's "
+                        "processes (the same file on every host of a multi-host cluster; else "
+                        "$DEEPINFER_CLUSTER_SECRET, else a random one per start)")
     group(p, "scheduling").add_argument(
         "--max-waiting-requests", type=int, default=None,
         help="answer 429 when this many requests are already waiting")
@@ -122,6 +126,11 @@ def _run(args) -> int:
     if args.prefill_workers or args.decode_workers:
         decode_ep, ep_config = _decode_ep_config(args, ep_config, engine_config), None
     _check_port_free(args.host, args.port)
+    from deepinfer.wire.secret import ClusterSecretError, ensure_cluster_secret
+    try:  # exported to the environment: every process started from here inherits it
+        ensure_cluster_secret(args.cluster_secret_file)
+    except ClusterSecretError as e:
+        raise CLIError(str(e)) from None
     from deepinfer.multimodal.media_args import media_policy_from_args
     from deepinfer.multimodal.processor import vision_language_checkpoint
     try:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -39,9 +38,8 @@ from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequ
                                         PrefillDone, PrefillRequest, ShutdownWorker, WorkerFailed,
                                         WorkerHeartbeat,
                                         WorkerLoadReport,
-                                        WorkerCounters, WorkerReady, WorkerReport,
-                                        make_encoder,
-                                        worker_message_decoder)
+                                        WorkerCounters, WorkerMessage, WorkerReady,
+                                        WorkerReport)
 from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_handle import WorkerHandle
@@ -58,6 +56,8 @@ from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
 from deepinfer.server.messages import (EngineStatsSnapshot, RequestDelta, RequestError,
                                        rejection_error)
 from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire import ChannelReceiver, channel_name, tokenizer_from_files
+from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_PERIOD_S = 0.1
@@ -119,8 +119,6 @@ class DisaggClient:
         self.decode_router = build_decode_router(cluster.decode_router)
         self.workers: dict[str, WorkerHandle] = {}
         self._requests: dict[str, _Track] = {}
-        self._encoder = make_encoder()
-        self._decoder = worker_message_decoder()
         self._tasks: list[asyncio.Task] = []
         self.num_retried = 0
         # request id -> [prefill worker, decode worker] of recent requests (bounded).
@@ -139,6 +137,12 @@ class DisaggClient:
                 restart=cluster.restart_policy))
         self._ctx = zmq.asyncio.Context()
         self._output, self._output_addr = bind_worker_output(self._ctx, cluster.host)
+        self._decoder = ChannelReceiver(channel_name("worker.output", self._output_addr),
+                                        self._worker_message_type())
+
+    def _worker_message_type(self):
+        """What workers may send on the shared output channel (a subclass adds its own)."""
+        return WorkerMessage
 
     # --- lifecycle ---------------------------------------------------------------------------
     def _make_handle(self, role: str, index: int) -> WorkerHandle:
@@ -202,7 +206,7 @@ class DisaggClient:
                 self.model_name = message.model_name
                 self.max_model_len = message.max_model_len
                 self.vocab_size = message.vocab_size
-                self.tokenizer = pickle.loads(message.tokenizer_pickle)
+                self.tokenizer = tokenizer_from_files(message.tokenizer_files)
             return message.worker_id
         if isinstance(message, WorkerReport):
             await self._on_report(message)
@@ -211,8 +215,8 @@ class DisaggClient:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await stop_worker_processes(((h.proc, h.input_socket) for h in self.workers.values()),
-                                    self._encoder.encode(ShutdownWorker()))
+        await stop_worker_processes((h.proc, h.input_socket, h.sender.encode(ShutdownWorker()))
+                                    for h in self.workers.values())
         self._output.close(linger=0)
         self._ctx.term()
         if self.encode_stage is not None:
@@ -266,6 +270,9 @@ class DisaggClient:
                                   for c in counters),
             num_failed_steps=sum(c.num_failed_steps for c in counters),
             num_failed_requests=sum(c.num_failed_requests for c in counters),
+            wire_frames_dropped=sum_reports([c.wire_frames_dropped for c in counters] + (
+                [w.counters.wire_frames_dropped for w in self.encode_stage.workers.values()]
+                if self.encode_stage is not None else [])),
             **spec_decode_totals(counters))
 
     # --- requests ----------------------------------------------------------------------------
@@ -358,7 +365,7 @@ class DisaggClient:
         if handle is None or not (handle.alive or handle.suspended_since is not None):
             return
         try:
-            await handle.input_socket.send(self._encoder.encode(message), copy=False)
+            await handle.input_socket.send(handle.sender.encode(message), copy=False)
         except zmq.Again:
             # Not awaited here: worker-loss handling sends to other workers and fails requests.
             self._tasks.append(asyncio.get_running_loop().create_task(self._on_worker_dead(
@@ -446,7 +453,7 @@ class DisaggClient:
             elif isinstance(message, WorkerFailed):
                 await self._on_worker_dead(message.worker_id, f"worker failed: "
                                            f"{message.message.strip().splitlines()[-1]}")
-            else:
+            elif message is not None:  # None: a dropped frame
                 self._on_other_message(message)
 
     def _on_other_message(self, message) -> None:

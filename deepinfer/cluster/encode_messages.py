@@ -60,6 +60,7 @@ class EncodeCounters(msgspec.Struct):
     store_hits: int = 0
     misses: int = 0
     num_failed: int = 0
+    wire_frames_dropped: dict[str, int] = {}  # this process's, "channel/reason" -> count
 
 
 class EncodeWorkerReport(msgspec.Struct, tag=True):

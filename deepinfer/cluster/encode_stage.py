@@ -25,12 +25,12 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
-                                               EncodeWorkerReady, EncodeWorkerReport,
-                                               encode_worker_message_decoder)
+                                               EncodeWorkerMessage, EncodeWorkerReady,
+                                               EncodeWorkerReport)
 from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
-from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
+from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
 from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
@@ -40,6 +40,7 @@ from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
 from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_PERIOD_S = 0.1
@@ -79,6 +80,10 @@ class _EncodeWorker:
     num_queued_patches: int = 0
     request_ids: set[str] = field(default_factory=set)
     last_report_at: float = 0.0  # front's clock; 0 before the first report
+    sender: ChannelSender = field(init=False)  # signs what the front sends it
+
+    def __post_init__(self) -> None:
+        self.sender = ChannelSender(channel_name("worker.input", self.spec.input_addr))
 
     @property
     def worker_id(self) -> str:
@@ -100,11 +105,11 @@ class EncodeStage:
         self.router = build_encode_router(config.router)
         self.workers: dict[str, _EncodeWorker] = {}
         self._pending: dict[str, _Pending] = {}
-        self._encoder = make_encoder()
-        self._decoder = encode_worker_message_decoder()
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
         self._output, self._output_addr = bind_worker_output(self._ctx, config.host)
+        self._decoder = ChannelReceiver(channel_name("worker.output", self._output_addr),
+                                        EncodeWorkerMessage)
         # Front-side observations (metrics): per-image encode time, images per request.
         self.encode_time = BucketCounts(ENCODE_TIME_BUCKETS)
         self.images_per_request = BucketCounts(IMAGES_PER_REQUEST_BUCKETS)
@@ -155,8 +160,8 @@ class EncodeStage:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await stop_worker_processes(((w.proc, w.socket) for w in self.workers.values()),
-                                    self._encoder.encode(ShutdownWorker()))
+        await stop_worker_processes((w.proc, w.socket, w.sender.encode(ShutdownWorker()))
+                                    for w in self.workers.values())
         self._output.close(linger=0)
         self._ctx.term()
 
@@ -210,7 +215,8 @@ class EncodeStage:
         pending.worker_id = worker_id
         self.workers[worker_id].request_ids.add(m.request_id)
         try:
-            await self.workers[worker_id].socket.send(self._encoder.encode(m), copy=False)
+            await self.workers[worker_id].socket.send(self.workers[worker_id].sender.encode(m),
+                                                      copy=False)
         except zmq.Again:
             raise EngineDeadError(f"{worker_id} accepted nothing for {SEND_TIMEOUT_MS} ms") from None
 
@@ -219,7 +225,8 @@ class EncodeStage:
         self.router.on_request_aborted(pending.message.request_id, pending.worker_id)
         if worker is not None and worker.alive:
             try:
-                await worker.socket.send(self._encoder.encode(AbortRequests([pending.message.request_id])))
+                await worker.socket.send(worker.sender.encode(AbortRequests(
+                    [pending.message.request_id])))
             except zmq.ZMQError:
                 pass
 

@@ -30,15 +30,16 @@ import numpy as np
 import torch
 
 from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
-                                               EncodeWorkerReady, EncodeWorkerReport,
-                                               encode_input_decoder)
-from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed, make_encoder
-from deepinfer.cluster.worker_proc import open_worker_process
+                                               EncodeInput, EncodeWorkerReady,
+                                               EncodeWorkerReport)
+from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
+from deepinfer.cluster.worker_proc import open_worker_process, worker_output_sender
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
 from deepinfer.multimodal.mm_inputs import PixelArray
 from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, channel_name
 
 logger = logging.getLogger(__name__)
 
@@ -249,8 +250,9 @@ class EncodeWorkerLoop:
         self.worker = worker
         self.input_socket = input_socket
         self.output_socket = output_socket
-        self.encoder = make_encoder()
-        self.decoder = encode_input_decoder()
+        self.encoder = worker_output_sender(spec.output_addr)
+        self.decoder = ChannelReceiver(channel_name("worker.input", spec.input_addr),
+                                       EncodeInput)
         self._done: list[EncodeDone] = []
         self._dirty = True
         self._last_report = 0.0
@@ -283,6 +285,7 @@ class EncodeWorkerLoop:
         return True
 
     def send_report(self) -> None:
+        self.worker.counters.wire_frames_dropped = PROCESS_DROPS.as_report()
         report = EncodeWorkerReport(
             worker_id=self.spec.worker_id, num_queued_images=self.worker.num_queued_images,
             num_queued_patches=self.worker.num_queued_patches, counters=self.worker.counters,
@@ -296,7 +299,7 @@ def run_encode_worker_proc(spec: EncodeWorkerSpec) -> None:
     sending `WorkerFailed`)."""
     ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
                                                            spec.input_addr, spec.output_addr)
-    encoder = make_encoder()
+    encoder = worker_output_sender(spec.output_addr)
     tier = None
     try:
         model, device, dtype, source = load_image_encoder(spec.engine_config)

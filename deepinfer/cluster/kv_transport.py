@@ -9,14 +9,14 @@ loop, which writes them into the allocated blocks.
 `ZmqKVTransport` (default) serves pulls on a ROUTER socket over TCP from a background thread
 and fetches on another thread with one DEALER per source, every pull in flight at once on one
 poller (a slow or dead source holds up only its own pulls, each with its own deadline);
-payloads travel as raw frames (no pickling, one copy on each side).
+payloads travel as raw frames (no pickling, one copy on each side). Every pull and reply is
+signed with the cluster secret and the payload covered by the reply's MAC (kv_frames.py).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from deepinfer.cluster import kv_frames
 from deepinfer.cluster.messages import KVPull, KVPullReply
-from deepinfer.kvstore.tensor_codec import _torch_dtype
 
 logger = logging.getLogger(__name__)
 IDLE_SOURCE_CLOSE_S = 60.0  # a source's DEALER with no pull for this long is closed
@@ -150,17 +150,16 @@ class ZmqKVTransport(KVTransport):
             self._staged.pop(request_id, None)
 
     def _serve_loop(self, router: zmq.Socket) -> None:
-        encoder, decoder = _codec(KVPull)
+        encoder = kv_frames.reply_sender(self._address)
+        decoder = kv_frames.pull_receiver(self._address)
         while not self._closed:
             self._expire()
             if not router.poll(100):
                 continue
-            identity, frame = router.recv_multipart()
-            try:
-                pull = decoder.decode(frame)
-            except Exception as exc:  # a bad frame must not stop the server
-                logger.warning("kv transport: bad pull message: %s", exc)
+            read = kv_frames.read_pull(decoder, router.recv_multipart())  # None: dropped
+            if read is None:
                 continue
+            identity, pull = read
             with self._lock:
                 staged = self._staged.pop(pull.request_id, None)
             if staged is None:
@@ -172,7 +171,7 @@ class ZmqKVTransport(KVTransport):
             reply = KVPullReply(pull.request_id, ok=True, shape=list(kv.shape),
                                 dtype=str(kv.dtype).removeprefix("torch."))
             raw = kv.view(-1).view(torch.uint8).numpy()  # [bytes], zero-copy
-            router.send_multipart([identity, encoder.encode(reply), raw], copy=False)
+            router.send_multipart([identity, encoder.encode(reply, [raw]), raw], copy=False)
             with self._lock:
                 self._counts["bytes_sent"] += raw.nbytes
                 self._counts["num_sent"] += 1
@@ -221,7 +220,7 @@ class ZmqKVTransport(KVTransport):
     def _fetch_loop(self, wake_pull: zmq.Socket) -> None:
         """Every pull in flight at once: one DEALER per source, all multiplexed on one poller,
         so a slow or dead source delays only its own pulls (each has its own deadline)."""
-        encoder, decoder = _codec(KVPullReply)
+        senders: dict[str, object] = {}  # addr -> its DEALER's signer (and reply verifier)
         poller = zmq.Poller()
         poller.register(wake_pull, zmq.POLLIN)
         dealers: dict[str, zmq.Socket] = {}
@@ -245,9 +244,10 @@ class ZmqKVTransport(KVTransport):
                     dealer.setsockopt(zmq.LINGER, 0)
                     dealer.connect(addr)
                     by_socket[dealer] = addr
+                    senders[addr] = (kv_frames.pull_sender(addr), kv_frames.reply_receiver(addr))
                     poller.register(dealer, zmq.POLLIN)
                 try:
-                    dealer.send(encoder.encode(KVPull(request_id)), zmq.NOBLOCK)
+                    dealer.send(senders[addr][0].encode(KVPull(request_id)), zmq.NOBLOCK)
                 except zmq.Again:
                     self._finish(KVFetchResult(request_id, None, 0, 0.0,
                                                error="KV transfer failed: the source's send "
@@ -277,7 +277,8 @@ class ZmqKVTransport(KVTransport):
                     continue
                 while sock.poll(0):
                     frames = sock.recv_multipart(copy=False)
-                    result = self._decode_reply(frames, decoder, pending, by_socket[sock])
+                    addr = by_socket[sock]
+                    result = self._decode_reply(frames, senders[addr][1], pending, addr)
                     if result is not None:
                         self._finish(result)
         for dealer in dealers.values():
@@ -285,12 +286,11 @@ class ZmqKVTransport(KVTransport):
         wake_pull.close(linger=0)
 
     @staticmethod
-    def _decode_reply(frames, decoder, pending: dict, addr: str) -> KVFetchResult | None:
-        try:
-            reply = decoder.decode(frames[0].bytes)
-        except Exception as exc:  # a bad frame must not stop the fetcher
-            logger.warning("kv transport: bad pull reply from %s: %s", addr, exc)
+    def _decode_reply(frames, receiver, pending: dict, addr: str) -> KVFetchResult | None:
+        read = kv_frames.read_reply(receiver, frames)  # None: dropped (and counted)
+        if read is None:
             return None
+        reply, kv = read
         pull = pending.get(reply.request_id)
         if pull is None or pull.addr != addr:
             return None  # a late reply to a pull that timed out or was cancelled
@@ -299,14 +299,10 @@ class ZmqKVTransport(KVTransport):
         if not reply.ok:
             return KVFetchResult(reply.request_id, None, 0, seconds,
                                  error=f"KV transfer failed: {reply.message}")
-        if len(frames) < 2:
+        if kv is None:
             return KVFetchResult(reply.request_id, None, 0, seconds,
                                  error="KV transfer failed: reply without a payload")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only frame buffer; we only read it
-            raw = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
-        kv = raw.view(_torch_dtype(reply.dtype)).reshape(reply.shape)
-        return KVFetchResult(reply.request_id, kv, raw.numel(), seconds)
+        return KVFetchResult(reply.request_id, kv, kv.numel() * kv.element_size(), seconds)
 
     def _finish(self, result: KVFetchResult) -> None:
         with self._lock:
@@ -345,7 +341,3 @@ class ZmqKVTransport(KVTransport):
         self._wake_push.close(linger=0)
         self._ctx.term()
 
-
-def _codec(message_type):
-    import msgspec
-    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(message_type)

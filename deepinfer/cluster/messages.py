@@ -19,6 +19,7 @@ from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.messages import RequestDelta, RequestError
+from deepinfer.wire.tokenizer_files import TokenizerFiles
 
 # --- front -> worker -----------------------------------------------------------------------
 
@@ -92,7 +93,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     block_size: int
     num_kv_blocks: int
     max_num_seqs: int
-    tokenizer_pickle: bytes
+    tokenizer_files: TokenizerFiles
     # `ModelSource.weights_fingerprint()`: KV moves between workers only if theirs are equal.
     weights_fingerprint: str = ""
 
@@ -176,6 +177,7 @@ class WorkerCounters(msgspec.Struct):
     decode_first_token_wait_seconds_total: float = 0.0  # admitted -> its first token here
     decode_admitted: int = 0  # requests admitted after their transfer
     between_steps_seconds_total: float = 0.0  # before_step: allocations, pulls, KV writes
+    wire_frames_dropped: dict[str, int] = {}  # this process's, "channel/reason" -> count
 
 
 class WorkerReport(msgspec.Struct, tag=True):

@@ -201,7 +201,8 @@ class RayGroupHandle(GroupHandle):
             output_port = output_socket.bind_to_random_port(f"tcp://{host}")
             proc.addresses = (f"tcp://{host}:{input_port}", f"tcp://{host}:{output_port}")
             self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
-                                         input_socket, output_socket))
+                                         input_socket, output_socket
+                                         ).with_channels(*proc.addresses))
         master_addr, port = "127.0.0.1", None
         if ep_config.enable_expert_parallel:
             master_addr, port = await asyncio.to_thread(

@@ -345,8 +345,12 @@ def connect_actors(address: str | None, front_host: str | None, init_kwargs: dic
     owns_ray = connect_ray(address, init_kwargs)
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     host = front_host_for(address, front_host)
+    from deepinfer.wire.secret import SECRET_ENV, ensure_cluster_secret
+    # The frame-signing secret reaches the actors through their environment (not argv).
     actor_class = ray.remote(max_restarts=0, max_task_retries=0,
-                             max_concurrency=ACTOR_MAX_CONCURRENCY)(actor_cls)
+                             max_concurrency=ACTOR_MAX_CONCURRENCY,
+                             runtime_env={"env_vars": {SECRET_ENV: ensure_cluster_secret()}}
+                             )(actor_cls)
     return owns_ray, has_gpus, host, actor_class
 
 

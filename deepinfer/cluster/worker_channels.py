@@ -36,18 +36,19 @@ def bind_worker_output(ctx: zmq.asyncio.Context, host: str) -> tuple[zmq.asyncio
     return sock, f"tcp://{host}:{port}"
 
 
-async def stop_worker_processes(workers: Iterable[tuple[object, zmq.asyncio.Socket]],
-                                shutdown_frame: bytes, join_timeout_s: float = 10.0) -> None:
-    """Ask every live (process, input socket) to shut down, wait for each, kill what is left
-    and close the sockets."""
+async def stop_worker_processes(workers: Iterable[tuple[object, zmq.asyncio.Socket, bytes]],
+                                join_timeout_s: float = 10.0) -> None:
+    """Send every live (process, input socket, its signed shutdown frame) the frame, wait
+    for each, kill what is left and close the sockets."""
     workers = list(workers)
-    for proc, sock in workers:
+    for proc, sock, shutdown_frame in workers:
         if proc is not None and proc.is_alive():
             try:
-                await sock.send(shutdown_frame)
+                # Never blocks: a PUSH whose worker already went has no peer to queue for.
+                await sock.send(shutdown_frame, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-    for proc, sock in workers:
+    for proc, sock, _ in workers:
         if proc is not None:
             await asyncio.to_thread(proc.join, join_timeout_s)
             if proc.is_alive():

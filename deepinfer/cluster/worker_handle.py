@@ -9,6 +9,7 @@ import zmq.asyncio
 from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport, WorkerReady
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.routing import WorkerLoad
+from deepinfer.wire import ChannelSender, channel_name
 
 
 @dataclass
@@ -26,6 +27,10 @@ class WorkerHandle:
     dead_reason: str | None = None  # why it is out of routing
     suspended_since: float | None = None  # unresponsive (not lost): may resume
     last_loop_advance: float = 0.0  # when its engine loop last finished an iteration
+    sender: ChannelSender = field(init=False)  # signs what the front sends it
+
+    def __post_init__(self) -> None:
+        self.sender = ChannelSender(channel_name("worker.input", self.spec.input_addr))
 
     @property
     def worker_id(self) -> str:

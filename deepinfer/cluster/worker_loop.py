@@ -18,11 +18,12 @@ import zmq
 from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, PrefillDone,
                                         ShutdownWorker,
                                         WorkerCounters, WorkerLoadReport, WorkerReport,
-                                        cluster_input_decoder, make_encoder)
+                                        ClusterInput)
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.server.engine_proc import OutputDeltaTracker
 from deepinfer.server.messages import RequestDelta, RequestError
 from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, ChannelSender, channel_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class WorkerLoop:
         self.output_socket = output_socket
         self.tracker = OutputDeltaTracker()
         self.counters = WorkerCounters()
-        self.encoder = make_encoder()
-        self.decoder = cluster_input_decoder()
+        self.encoder = ChannelSender(channel_name("worker.output", spec.output_addr))
+        self.decoder = ChannelReceiver(channel_name("worker.input", spec.input_addr),
+                                       ClusterInput)
         self._outputs: list[RequestDelta] = []
         self._errors: list[RequestError] = []
         self._prefill_done: list[PrefillDone] = []
@@ -190,6 +192,7 @@ class WorkerLoop:
         self.counters.num_failed_steps = self.engine.num_failed_steps
         self.counters.num_failed_requests = self.engine.num_failed_requests
         self.counters.process_cpu_seconds = time.process_time()
+        self.counters.wire_frames_dropped = PROCESS_DROPS.as_report()
         self.update_counters()
         report = WorkerReport(worker_id=self.spec.worker_id, load=self.load_report(),
                               counters=self.counters, outputs=self._outputs,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import signal
 import threading
 import time
@@ -12,9 +11,10 @@ import traceback
 
 import zmq
 
-from deepinfer.cluster.messages import WorkerFailed, WorkerHeartbeat, WorkerReady, make_encoder
+from deepinfer.cluster.messages import WorkerFailed, WorkerHeartbeat, WorkerReady
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.step_faults import isolate_step_faults
+from deepinfer.wire import ChannelSender, channel_name, tokenizer_to_files
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,15 @@ def _heartbeat_thread(spec: WorkerSpec, ctx: zmq.Context, loop, stop: threading.
     socket = ctx.socket(zmq.PUSH)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(spec.output_addr)
-    encoder = make_encoder()
+    encoder = worker_output_sender(spec.output_addr)  # its own sequence: its own socket
     while not stop.wait(spec.report_interval_s):
         age = time.monotonic() - loop.last_iteration_time
         socket.send(encoder.encode(WorkerHeartbeat(spec.worker_id, age)))
     socket.close(linger=0)
+
+
+def worker_output_sender(output_addr: str) -> ChannelSender:
+    return ChannelSender(channel_name("worker.output", output_addr))
 
 
 def open_worker_process(worker_id: str, log_level: str, input_addr: str, output_addr: str):
@@ -94,7 +98,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
     ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
                                                            spec.input_addr, spec.output_addr)
-    encoder = make_encoder()
+    encoder = worker_output_sender(spec.output_addr)
     transport = tier = None
     try:
         build = _build_prefill if spec.role == "prefill" else _build_decode
@@ -106,7 +110,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
             max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
             num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
-            tokenizer_pickle=pickle.dumps(engine.tokenizer),
+            tokenizer_files=tokenizer_to_files(engine.tokenizer),
             weights_fingerprint=engine.source.weights_fingerprint())))
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat_thread, args=(spec, ctx, loop, stop),

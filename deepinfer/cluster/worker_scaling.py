@@ -182,7 +182,7 @@ class WorkerScaler:
             proc.kill()  # never announced itself (loading, or not even placed): nothing to end
         elif proc is not None and proc.is_alive():
             try:
-                await handle.input_socket.send(self.client._encoder.encode(ShutdownWorker()))
+                await handle.input_socket.send(handle.sender.encode(ShutdownWorker()))
             except Exception:  # zmq.Again: it reads nothing any more; killed below
                 pass
             await asyncio.to_thread(proc.join, 10)

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_front_rank_decoder
+from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp
 from deepinfer.ep.ep_metrics import record_rebalance
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
@@ -33,6 +33,8 @@ from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
                                        EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder,
                                        rejection_error)
+from deepinfer.wire import tokenizer_from_files
+from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class DataParallelClient:
         self._tasks: dict[int, list[asyncio.Task]] = {}
         self._supervisors: list[asyncio.Task] = []
         self._stats_base = EngineStatsSnapshot()
-        self._encoder = make_encoder()
+        self._encoder = make_encoder()  # the payload; each rank's channel signs its copy
         self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-dp-")
         self._ctx = zmq.asyncio.Context()
         self._closing = False
@@ -105,8 +107,7 @@ class DataParallelClient:
         self.model_name, self.max_model_len = ready.model_name, ready.max_model_len
         self.vocab_size = ready.vocab_size
         if self.tokenizer is None:
-            import pickle
-            self.tokenizer = pickle.loads(ready.tokenizer_pickle)
+            self.tokenizer = tokenizer_from_files(ready.tokenizer_files)
         self._tasks[group.index] = [
             asyncio.create_task(self._output_loop(group, h, group.incarnation),
                                 name=f"dp-out-g{group.index}-r{h.rank}") for h in group.ranks]
@@ -142,7 +143,7 @@ class DataParallelClient:
             for h in group.ranks:
                 if h.proc.is_alive() and not h.input.closed:
                     try:
-                        await h.input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                        await h.input.send(h.sender.encode(Shutdown()), flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass
         for group in self.groups:
@@ -183,7 +184,9 @@ class DataParallelClient:
             total[name] += getattr(self._stats_base, name)
         usage = sum(h.stats.kv_cache_usage for h in ranks) / len(ranks) if ranks else 0.0
         step = max((h.stats.step_time_s or 0.0 for h in ranks), default=None)
-        return EngineStatsSnapshot(kv_cache_usage=usage, step_time_s=step, **total)
+        drops = sum_reports(h.stats.wire_frames_dropped for h in ranks)
+        return EngineStatsSnapshot(kv_cache_usage=usage, step_time_s=step,
+                                   wire_frames_dropped=drops, **total)
 
     @property
     def num_waiting_requests(self) -> int:
@@ -256,13 +259,12 @@ class DataParallelClient:
         target.open_request_ids.add(track.request_id)
         target.num_requests_sent += 1
         try:
-            await target.input.send(frame, copy=False, flags=zmq.NOBLOCK)
+            await target.input.send(target.sender.sign(frame), copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"rank {target.global_rank} is not reachable ({e})") from None
-        wake = self._encoder.encode(WakeUp())
         for peer in self.groups[target.group].ranks:
             if peer is not target:
-                await self._send_frame(peer, wake)
+                await self._send_frame(peer, peer.sender.encode(WakeUp()))
 
     async def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -277,7 +279,7 @@ class DataParallelClient:
                 await self._send(group.ranks[0], ForceRebalance())
 
     async def _send(self, handle: RankHandle, message) -> None:
-        await self._send_frame(handle, self._encoder.encode(message))
+        await self._send_frame(handle, handle.sender.encode(message))
 
     @staticmethod
     async def _send_frame(handle: RankHandle, frame: bytes) -> None:
@@ -290,7 +292,7 @@ class DataParallelClient:
 
     # --- outputs and faults ------------------------------------------------------------------
     async def _output_loop(self, group: GroupHandle, handle: RankHandle, incarnation: int) -> None:
-        decoder = make_front_rank_decoder()
+        decoder = handle.receiver  # None for a dropped frame (counted)
         while group.incarnation == incarnation:
             try:
                 if not await handle.output.poll(200):

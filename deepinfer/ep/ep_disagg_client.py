@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import time
 
-import msgspec
 
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.disagg_client import DisaggClient
@@ -51,7 +50,6 @@ class EPDisaggClient(DisaggClient):
         super().__init__(engine_config, dataclasses.replace(cluster, num_decode_workers=ranks),
                          launcher=launcher)
         self._group_ports: dict[int, int] = {}
-        self._decoder = msgspec.msgpack.Decoder(WorkerMessage | WorkerEPLBStats)
         self.decode_group_eplb = [GroupEPLB(g) for g in range(self.num_decode_groups)]
         self.redundant_expert_bytes = 0
         # request id -> (its PrefillDone, tokens streamed when it went to decode): enough to
@@ -67,6 +65,9 @@ class EPDisaggClient(DisaggClient):
             resolve_model(self.engine_config.model).config, self.engine_config.dtype)
         self._group_ports = {g: free_port() for g in range(self.num_decode_groups)}
         await super().start()
+
+    def _worker_message_type(self):
+        return WorkerMessage | WorkerEPLBStats
 
     def register_metrics(self, registry) -> None:
         super().register_metrics(registry)

@@ -62,3 +62,7 @@ def make_rank_decoder() -> msgspec.msgpack.Decoder:
 
 def make_front_rank_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineMessage | EPLBStats)
+
+
+RankInput = FrontMessage | RankControl  # front -> rank
+RankOutput = EngineMessage | EPLBStats  # rank -> front

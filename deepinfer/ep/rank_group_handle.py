@@ -16,11 +16,12 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.ep.messages import EPLBStats, make_front_rank_decoder
+from deepinfer.ep.messages import EPLBStats, RankOutput
 from deepinfer.ep.process_group import free_port
 from deepinfer.ep.rank_proc import run_rank_proc
 from deepinfer.server.engine_client import EngineDeadError, exit_message
 from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
+from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 
 
 @dataclass
@@ -35,6 +36,15 @@ class RankHandle:
     open_request_ids: set[str] = field(default_factory=set)
     num_requests_sent: int = 0
     ready: EngineReady | None = None
+    # Sign what the front sends the rank, verify what it sends back (`with_channels`).
+    sender: ChannelSender | None = None
+    receiver: ChannelReceiver | None = None
+
+    def with_channels(self, input_addr: str, output_addr: str) -> "RankHandle":
+        """Names the rank's channels after its two endpoints (as `run_rank_proc` does)."""
+        self.sender = ChannelSender(channel_name("engine.input", input_addr))
+        self.receiver = ChannelReceiver(channel_name("engine.output", output_addr), RankOutput)
+        return self
 
     @property
     def num_waiting_requests(self) -> int:
@@ -84,13 +94,15 @@ class GroupHandle:
             input_socket, output_socket = front_sockets(ctx)
             input_socket.bind(name % "in")
             output_socket.bind(name % "out")
+            handle = RankHandle(self.index, r, self.index * self.size + r, None, input_socket,
+                                output_socket).with_channels(name % "in", name % "out")
             proc = spawn.Process(target=run_rank_proc, name=f"deepinfer-g{self.index}-rank{r}",
                                  daemon=True,
                                  args=(engine_config, ep_config, r, port, name % "in",
                                        name % "out", os.getpid(), log_level))
             proc.start()
-            self.ranks.append(RankHandle(self.index, r, self.index * self.size + r, proc,
-                                         input_socket, output_socket))
+            handle.proc = proc
+            self.ranks.append(handle)
         await self._wait_all_up(deadline)
 
     async def _wait_all_up(self, deadline: float) -> None:
@@ -99,11 +111,10 @@ class GroupHandle:
 
     @staticmethod
     async def _wait_up(handle: RankHandle, timeout_s: float) -> None:
-        decoder = make_front_rank_decoder()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if await handle.output.poll(200):
-                message = decoder.decode(await handle.output.recv())
+                message = handle.receiver.decode(await handle.output.recv())  # None: dropped
                 if isinstance(message, EngineReady):
                     handle.ready = message
                 elif isinstance(message, EngineOutputs) and handle.ready is not None:

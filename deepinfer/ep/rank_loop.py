@@ -19,7 +19,7 @@ import os
 import time
 
 from deepinfer.ep.lockstep_faults import LockstepStepFaults
-from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp, make_rank_decoder
+from deepinfer.ep.messages import EPLBStats, ForceRebalance, RankInput, WakeUp
 from deepinfer.ep.process_group import RankGroup
 from deepinfer.moe.expert_parallel import ExpertParallelRuntime
 from deepinfer.server.engine_proc import IDLE_STATS_PERIOD_S, EngineLoop
@@ -31,12 +31,13 @@ IDLE_POLL_MS = 100  # an idle group re-agrees this often (WakeUp cuts the wait s
 
 class RankLoop(EngineLoop):
     def __init__(self, engine, runtime: ExpertParallelRuntime, rank_group: RankGroup,
-                 input_socket, output_socket, parent_pid: int | None = None) -> None:
-        super().__init__(engine, input_socket, output_socket, parent_pid)
+                 input_socket, output_socket, parent_pid: int | None = None,
+                 endpoints: tuple[str, str] = ("", "")) -> None:
+        super().__init__(engine, input_socket, output_socket, parent_pid, endpoints,
+                         input_type=RankInput)
         self.runtime = runtime
         self.rank_group = rank_group
         self.step_faults = LockstepStepFaults(engine, runtime, rank_group)
-        self.decoder = make_rank_decoder()
         self._shutdown = False
         self._rebalance = False
         self._group_busy = False

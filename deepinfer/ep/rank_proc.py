@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import traceback
 
 import torch
 
 from deepinfer.cluster.worker_proc import open_worker_process
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.server.messages import EngineDead, EngineReady, make_encoder
+from deepinfer.server.messages import EngineDead, EngineReady
+from deepinfer.wire import ChannelSender, TokenizerFiles, channel_name, tokenizer_to_files
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +87,23 @@ def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | Non
     # SIGINT ignored (the front stops us with Shutdown), log lines tagged, sockets opened.
     ctx, input_socket, output_socket = open_worker_process(f"rank {rank}", log_level,
                                                            input_addr, output_addr)
-    encoder = make_encoder()
+    encoder = ChannelSender(channel_name("engine.output", output_addr))
     try:
         engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port,
                                                    master_addr=master_addr)
         output_socket.send(encoder.encode(EngineReady(
             model_name=engine.model_name, max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size),
-            tokenizer_pickle=pickle.dumps(engine.tokenizer) if rank == 0 else b"")))
+            tokenizer_files=tokenizer_to_files(engine.tokenizer) if rank == 0
+            else TokenizerFiles())))
         if runtime is None:
             from deepinfer.server.engine_proc import EngineLoop
-            EngineLoop(engine, input_socket, output_socket, parent_pid).run()
+            EngineLoop(engine, input_socket, output_socket, parent_pid,
+                       endpoints=(input_addr, output_addr)).run()
         else:
             from deepinfer.ep.rank_loop import RankLoop
-            RankLoop(engine, runtime, group, input_socket, output_socket, parent_pid).run()
+            RankLoop(engine, runtime, group, input_socket, output_socket, parent_pid,
+                     endpoints=(input_addr, output_addr)).run()
             from deepinfer.ep.process_group import destroy_rank_group
             destroy_rank_group()  # only on a clean exit: with a dead peer it could wait
     except Exception:  # report, then die: the front takes the group out of routing

@@ -75,6 +75,11 @@ class KVBlockStore(ABC):
     @abstractmethod
     def _delete(self, block_hash: bytes) -> None: ...
 
+    def _unwrap(self, block_hash: bytes, data: bytes) -> bytes:
+        """The encoded block inside what the backend returned (a backend that authenticates
+        its values checks and strips the tag here, raising CorruptBlockError)."""
+        return data
+
     def close(self) -> None:
         """Release connections/handles. The store must not be used afterwards."""
 
@@ -91,7 +96,8 @@ class KVBlockStore(ABC):
             self._count(num_misses=1)
             return None
         try:
-            payload = bytes(decode_block(data, self.salt, block_hash, self.layout))
+            payload = bytes(decode_block(self._unwrap(block_hash, data), self.salt, block_hash,
+                                         self.layout))
         except CorruptBlockError as exc:
             logger.warning("kvstore(%s): dropping corrupt block %s: %s",
                            self.backend, block_hash.hex(), exc.reason)

@@ -16,7 +16,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -32,9 +31,11 @@ from deepinfer.server.engine_proc import run_engine_proc
 from deepinfer.server.engine_supervisor import EngineRestartPolicy, EngineSupervisor
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
-    RequestDelta, Shutdown, make_encoder, make_engine_decoder, rejection_error,
+    EngineMessage, RequestDelta, Shutdown, rejection_error,
 )
 from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokenizer_from_files
+from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class EngineClient:
         self._stats_base = EngineStatsSnapshot()  # counters of engines that died
         self._queues: dict[str, asyncio.Queue] = {}
         self._num_requests_sent = 0  # to the current engine
-        self._encoder = make_encoder()
-        self._decoder = make_engine_decoder()
+        self._encoder: ChannelSender | None = None  # per engine incarnation (its endpoints)
+        self._decoder: ChannelReceiver | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
         self._incarnation = 0
@@ -121,6 +122,10 @@ class EngineClient:
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(name % "output")
+        # Before the spawn: creating them exports the cluster secret the engine inherits.
+        self._encoder = ChannelSender(channel_name("engine.input", name % "input"))
+        self._decoder = ChannelReceiver(channel_name("engine.output", name % "output"),
+                                        EngineMessage)
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_proc, name="deepinfer-engine", daemon=True,
@@ -136,7 +141,7 @@ class EngineClient:
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.tokenizer = self.tokenizer or pickle.loads(ready.tokenizer_pickle)
+        self.tokenizer = self.tokenizer or tokenizer_from_files(ready.tokenizer_files)
         self._stats_base = _add_counters(self._stats_base, self._stats)
         self._stats = first_report.stats or EngineStatsSnapshot()
         self._num_requests_sent = 0
@@ -151,7 +156,7 @@ class EngineClient:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if await self._output.poll(500):
-                message = self._decoder.decode(await self._output.recv())
+                message = self._decoder.decode(await self._output.recv())  # None: dropped
                 if isinstance(message, kind):
                     return message
                 if isinstance(message, EngineDead):
@@ -343,5 +348,7 @@ def _add_counters(base: EngineStatsSnapshot, current: EngineStatsSnapshot
     per_pos = [a + b for a, b in itertools.zip_longest(
         base.spec_decode_num_accepted_tokens_per_pos,
         current.spec_decode_num_accepted_tokens_per_pos, fillvalue=0)]
-    return msgspec.structs.replace(current, spec_decode_num_accepted_tokens_per_pos=per_pos, **{
+    drops = sum_reports((base.wire_frames_dropped, current.wire_frames_dropped))
+    return msgspec.structs.replace(current, spec_decode_num_accepted_tokens_per_pos=per_pos,
+                                   wire_frames_dropped=drops, **{
         name: getattr(base, name) + getattr(current, name) for name in _COUNTERS})

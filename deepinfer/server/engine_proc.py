@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import time
 import traceback
@@ -24,10 +23,11 @@ import zmq
 from deepinfer.multimodal.embedding_cache import embedding_stats
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, ChoiceDelta, EngineDead, EngineOutputs, EngineReady,
-    EngineStatsSnapshot, RequestDelta, RequestError, RequestTimes, Shutdown, make_encoder,
-    make_front_decoder,
+    EngineStatsSnapshot, FrontMessage, RequestDelta, RequestError, RequestTimes, Shutdown,
 )
 from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.wire import (PROCESS_DROPS, ChannelReceiver, ChannelSender, channel_name,
+                            tokenizer_to_files)
 
 logger = logging.getLogger(__name__)
 
@@ -138,21 +138,23 @@ def _stats_snapshot(engine, num_requests_received: int) -> EngineStatsSnapshot:
         spec_decode_num_accepted_tokens_per_pos=list(s.spec_decode_num_accepted_tokens_per_pos),
         num_failed_steps=getattr(engine, "num_failed_steps", 0),
         num_failed_requests=getattr(engine, "num_failed_requests", 0),
-        **embedding_stats(engine))
+        wire_frames_dropped=PROCESS_DROPS.as_report(), **embedding_stats(engine))
 
 
 class EngineLoop:
     """Busy loop around one engine; `run()` returns when asked to shut down."""
 
     def __init__(self, engine, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, endpoints: tuple[str, str] = ("", ""),
+                 input_type=FrontMessage) -> None:
+        """`endpoints`: the (input, output) addresses, which name the signed channels."""
         self.engine = engine
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
         self.tracker = OutputDeltaTracker()
-        self.encoder = make_encoder()
-        self.decoder = make_front_decoder()
+        self.encoder = ChannelSender(channel_name("engine.output", endpoints[1]))
+        self.decoder = ChannelReceiver(channel_name("engine.input", endpoints[0]), input_type)
         self.num_requests_received = 0
         self._pending_errors: list[RequestError] = []
         self._stats_dirty = True
@@ -237,7 +239,7 @@ def run_engine_proc(engine_config, input_addr: str, output_addr: str, parent_pid
     output_socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: never block the loop on the front
     output_socket.setsockopt(zmq.LINGER, 2000)
     output_socket.connect(output_addr)
-    encoder = make_encoder()
+    encoder = ChannelSender(channel_name("engine.output", output_addr))
     try:
         from deepinfer.engine.llm_engine import LLMEngine
 
@@ -246,8 +248,9 @@ def run_engine_proc(engine_config, input_addr: str, output_addr: str, parent_pid
         output_socket.send(encoder.encode(EngineReady(
             model_name=engine.model_name, max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.model_config.vocab_size),
-            tokenizer_pickle=pickle.dumps(engine.tokenizer))))
-        EngineLoop(engine, input_socket, output_socket, parent_pid).run()
+            tokenizer_files=tokenizer_to_files(engine.tokenizer))))
+        EngineLoop(engine, input_socket, output_socket, parent_pid,
+                   endpoints=(input_addr, output_addr)).run()
     except Exception:  # report, then die: the front turns this into 5xx and /health 503
         message = traceback.format_exc()
         logger.error("engine failed:\n%s", message)

@@ -19,6 +19,7 @@ from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.engine.outputs import Logprob
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.wire.tokenizer_files import TokenizerFiles
 
 # --- front -> engine ---------------------------------------------------------------------------
 
@@ -49,13 +50,13 @@ FrontMessage = AddRequest | AbortRequest | Shutdown
 
 
 class EngineReady(msgspec.Struct, tag=True):
-    """Sent once after the model is loaded. `tokenizer_pickle` lets the front tokenize with
+    """Sent once after the model is loaded. `tokenizer_files` lets the front tokenize with
     exactly the engine's tokenizer (chat template included) without loading the model."""
 
     model_name: str
     max_model_len: int
     vocab_size: int
-    tokenizer_pickle: bytes
+    tokenizer_files: TokenizerFiles
 
 
 class ChoiceDelta(msgspec.Struct):
@@ -137,6 +138,7 @@ class EngineStatsSnapshot(msgspec.Struct):
     embedding_cache_hits: int | None = None
     embedding_cache_misses: int = 0
     num_images_encoded: int = 0
+    wire_frames_dropped: dict[str, int] = {}  # this process's, "channel/reason" -> count
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepinfer.server.messages import EngineStatsSnapshot, RequestTimes
+from deepinfer.server.wire_metrics import WireDropsCollector
 
 PREFIX = "deepinfer:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,6 +104,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name))
+        self.registry.register(WireDropsCollector(lambda: get_stats().wire_frames_dropped))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,

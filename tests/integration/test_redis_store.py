@@ -79,7 +79,9 @@ def test_blocks_written_by_one_process_are_read_by_another(redis_url):
     for mode, seed in (("write", 1), ("read", 2)):
         out = subprocess.run([sys.executable, CHILD, mode, redis_url], capture_output=True,
                              text=True, timeout=30, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": str(seed)})
+                             env={**os.environ, "PYTHONHASHSEED": str(seed),
+                                  # one deployment: the values are signed with its secret
+                                  "DEEPINFER_CLUSTER_SECRET": "redis-test-" + "s" * 16})
         outs.append(json.loads(out.stdout))
     written, read = outs
     assert written["hashes"] == read["hashes"] and written["str_hash"] != read["str_hash"]

@@ -13,10 +13,12 @@ import zmq
 
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.disagg_client import DisaggClient
-from deepinfer.cluster.messages import (AbortRequests, DecodeRequest, PrefillDone,
+from deepinfer.cluster.messages import (AbortRequests, ClusterInput, DecodeRequest, PrefillDone,
                                         PrefillRequest, WorkerCounters, WorkerFailed,
                                         WorkerHeartbeat, WorkerLoadReport, WorkerReady,
-                                        WorkerReport, cluster_input_decoder, make_encoder)
+                                        WorkerReport)
+from deepinfer.wire import TokenizerFiles
+from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.engine_config import EngineConfig
@@ -43,7 +45,7 @@ class FakeWorker:
                           input_addr=f"tcp://127.0.0.1:{port}", output_addr=client._output_addr)
         self.handle = WorkerHandle(spec, sock)
         self.handle.ready = WorkerReady(worker_id, role, 0, "tcp://127.0.0.1:1", "m", 4096, 1000,
-                                        BLOCK, num_kv_blocks, 16, b"")
+                                        BLOCK, num_kv_blocks, 16, TokenizerFiles())
         now = time.monotonic()
         self.handle.last_seen = self.handle.last_loop_advance = now
         self.handle.last_report = self.load_report()
@@ -55,8 +57,10 @@ class FakeWorker:
         self.out = ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.connect(client._output_addr)
-        self.decoder = cluster_input_decoder()
-        self.encoder = make_encoder()
+        # A fake worker holds the cluster secret, as a real one does.
+        self.decoder = ChannelReceiver(channel_name("worker.input", spec.input_addr),
+                                       ClusterInput)
+        self.encoder = ChannelSender(channel_name("worker.output", client._output_addr))
         self.received: list = []
 
     def load_report(self) -> WorkerLoadReport:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -17,6 +16,7 @@ from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _Enco
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
 from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.wire.channel import ChannelReceiver, channel_name
 
 
 def mm(*hashes: str) -> MultiModalInputs:
@@ -40,10 +40,13 @@ class Stage:
             inbox = self.stage._ctx.socket(zmq.PULL)
             inbox.connect(f"tcp://127.0.0.1:{port}")
             self.inboxes[spec.worker_id] = inbox
-        self.decoder = msgspec.msgpack.Decoder(EncodeImages)
+        self.decoders = {wid: ChannelReceiver(channel_name("worker.input", w.spec.input_addr),
+                                              EncodeImages)
+                         for wid, w in self.stage.workers.items()}
 
     async def received(self, worker_id: str) -> EncodeImages:
-        return self.decoder.decode(await asyncio.wait_for(self.inboxes[worker_id].recv(), 5))
+        frame = await asyncio.wait_for(self.inboxes[worker_id].recv(), 5)
+        return self.decoders[worker_id].decode_or_raise(frame)
 
     def report(self, worker_id: str, done=(), images: int = 0, patches: int = 0) -> None:
         self.stage._on_report(EncodeWorkerReport(worker_id, images, patches, EncodeCounters(), list(done)))

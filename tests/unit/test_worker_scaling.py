@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from deepinfer.cluster.messages import (PrefillRequest, ShutdownWorker, WorkerCounters,
-                                        WorkerFailed, WorkerReady, WorkerReport,
-                                        cluster_input_decoder)
+from deepinfer.cluster.messages import (ClusterInput, PrefillRequest, ShutdownWorker,
+                                        WorkerCounters, WorkerFailed, WorkerReady,
+                                        WorkerReport)
 from deepinfer.cluster.worker_scaling import removal_order
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.wire import TokenizerFiles
+from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
 from tests.unit.test_disagg_client_faults import (BLOCK, PARAMS, FakeWorker, run_front,
                                                   to_decode, until)
 
@@ -115,9 +117,9 @@ def test_an_added_worker_is_routed_to_only_after_it_is_ready_and_reported():
                 assert p.worker_id in ("p0", "p1")
                 finish(d, f"a{i}")
                 await asyncio.wait_for(task, 10)
-            enc = workers["p0"].encoder
+            enc = ChannelSender(channel_name("worker.output", client._output_addr))
             out.send(enc.encode(WorkerReady("prefill-1", "prefill", 4000, "tcp://127.0.0.1:1",
-                                            "m", 4096, 1000, BLOCK, 64, 16, b"")))
+                                            "m", 4096, 1000, BLOCK, 64, 16, TokenizerFiles())))
             new = SimpleNamespace(load_report=workers["p0"].load_report)
             out.send(enc.encode(WorkerReport("prefill-1", new.load_report(), WorkerCounters())))
             await until(lambda: handle.alive, "prefill-1 admitted")
@@ -127,7 +129,9 @@ def test_an_added_worker_is_routed_to_only_after_it_is_ready_and_reported():
             await until(lambda: all(f"b{i}" in client.placements for i in range(3)), "routed")
             assert "prefill-1" in {client.placements[f"b{i}"][0] for i in range(3)}
             await until(lambda: inbox.poll(0), "a message to prefill-1")
-            assert isinstance(cluster_input_decoder().decode(inbox.recv()), PrefillRequest)
+            receiver = ChannelReceiver(channel_name("worker.input", handle.spec.input_addr),
+                                       ClusterInput)
+            assert isinstance(receiver.decode(inbox.recv()), PrefillRequest)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

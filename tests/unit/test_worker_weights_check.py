@@ -11,11 +11,12 @@ import pytest
 from deepinfer.cluster.messages import WorkerReady
 from deepinfer.cluster.worker_supervisor import WorkerState
 from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.wire import TokenizerFiles
 from tests.unit.test_disagg_client_faults import BLOCK, run_front
 
 
 def ready(worker_id: str, role: str, fingerprint: str, pid: int = 0) -> WorkerReady:
-    return WorkerReady(worker_id, role, pid, None, "m", 4096, 1000, BLOCK, 64, 16, b"",
+    return WorkerReady(worker_id, role, pid, None, "m", 4096, 1000, BLOCK, 64, 16, TokenizerFiles(),
                        weights_fingerprint=fingerprint)
 
 
