@@ -48,12 +48,38 @@ def sweep(fn, items) -> float:
     return time.perf_counter() - t0
 
 
+def run_variants(variants: dict, reps: int, kernel_names: list[str], threads: int) -> dict:
+    """Rounds of every variant in turn; GB/s per variant (median, best, each round)."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    with torch.inference_mode():
+        for fn, items, _ in variants.values():
+            sweep(fn, items)  # warm-up: page faults, thread pool
+        for _ in range(reps):
+            for v, (fn, items, _) in variants.items():
+                times[v].append(sweep(fn, items))
+    out: dict = {"threads": threads, "variants": {}}
+    for v, ts in times.items():
+        nbytes, calls = variants[v][2], len(variants[v][1])
+        r = out["variants"][v] = {
+            "median_gb_s": nbytes / statistics.median(ts) / 1e9, "best_gb_s": nbytes / min(ts) / 1e9,
+            "median_us_per_call": statistics.median(ts) / calls * 1e6,
+            "rounds_gb_s": [nbytes / t / 1e9 for t in ts]}
+        print(f"threads {threads} {v:>13}: {r['median_gb_s']:6.2f} GB/s median (best "
+              f"{r['best_gb_s']:.2f}), {r['median_us_per_call']:8.1f} us per call", flush=True)
+    if len(kernel_names) == 2:
+        a, b = (out["variants"][x]["median_gb_s"] for x in kernel_names)
+        out["speedup_median"] = b / a
+        print(f"threads {threads} {kernel_names[1]} / {kernel_names[0]}: {b / a:.2f}x")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096, help="N, the output features")
     ap.add_argument("--cols", type=int, default=4096, help="K, the input features")
     ap.add_argument("--batch", type=int, default=1, help="M, input rows per call")
     ap.add_argument("--isas", default="portable,avx2", help="quantized-kernel caps to compare")
+    ap.add_argument("--threads", default="1,2", help="thread counts to run, one after another")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -81,30 +107,12 @@ def main() -> None:
     variants["plain_read"] = (lambda f: f.sum(), reads, fp8_bytes)
     if small is not None:
         variants["bf16_gemv"] = (lambda w: small(x, w, None), bf16, bf16_bytes)
-    times: dict[str, list[float]] = {v: [] for v in variants}
     load_start = os.getloadavg()
-    with torch.inference_mode():
-        for fn, items, _ in variants.values():
-            sweep(fn, items)  # warm-up: page faults, thread pool
-        for _ in range(args.reps):
-            for v, (fn, items, _) in variants.items():
-                times[v].append(sweep(fn, items))
     result = {"shape": {"N": n, "K": k, "M": args.batch}, "copies": len(weights),
-              "threads": torch.get_num_threads(), "reps": args.reps, "variants": {}}
-    for v, ts in times.items():
-        nbytes, calls = variants[v][2], len(variants[v][1])
-        result["variants"][v] = {
-            "median_gb_s": nbytes / statistics.median(ts) / 1e9, "best_gb_s": nbytes / min(ts) / 1e9,
-            "median_us_per_call": statistics.median(ts) / calls * 1e6,
-            "rounds_gb_s": [nbytes / t / 1e9 for t in ts]}
-        r = result["variants"][v]
-        print(f"{v:>13}: {r['median_gb_s']:6.2f} GB/s median (best {r['best_gb_s']:.2f}), "
-              f"{r['median_us_per_call']:8.1f} us per call", flush=True)
-    names = list(kernels)
-    if len(names) == 2:
-        a, b = (result["variants"][x]["median_gb_s"] for x in names)
-        result["speedup_median"] = b / a
-        print(f"{names[1]} / {names[0]}: {b / a:.2f}x")
+              "reps": args.reps, "by_threads": {}}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        result["by_threads"][str(threads)] = run_variants(variants, args.reps, list(kernels), threads)
     result.update(loadavg_start=load_start, loadavg_end=os.getloadavg(),
                   machine={"cpu_count": os.cpu_count(), "platform": platform.platform(),
                            "torch": torch.__version__},
