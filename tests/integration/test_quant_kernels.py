@@ -114,3 +114,19 @@ def test_int8_dots_are_exact_on_every_path(library):
     xq, _ = quantized_activations(x, INT8)
     want = xq.double() @ weight.dequantize(torch.float32).double().T
     assert torch.allclose(first.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(library, isa):
+    """Speculative verification rows must equal the same position decoded alone: each input
+    row's output is bit-identical whether it is computed alone or among 2..8 (and 13) rows."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(11)
+    for fmt, rows, cols in [("q4_0", 40, 576), ("q4_1", 40, 576), ("q8_0", 40, 576),
+                            ("q4_k", 24, 512), ("q5_k", 24, 512), ("q6_k", 24, 512),
+                            (INT8, 40, 1000), (FP8_BLOCK, 140, 1000)]:
+        weight = random_blocks(fmt, rows, cols, gen)
+        x = torch.randn(13, cols, generator=gen).bfloat16()
+        alone = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(13)])
+        for m in (2, 3, 4, 5, 8, 13):
+            assert torch.equal(kernel.dots_f32(x[:m], weight), alone[:m]), (fmt, m)

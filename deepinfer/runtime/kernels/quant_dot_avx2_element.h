@@ -19,9 +19,16 @@
 
 #define QINLINE2 static inline __attribute__((always_inline))
 
+/* An opaque step: under -ffast-math GCC may reassociate float adds of vector types, and could
+ * do so differently in the per-M instances; an add whose result passes through this is summed
+ * exactly as written in every instance (a row's result must not depend on M). */
+#define QPIN(v) __asm__("" : "+x"(v))
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    QPIN(s);
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    QPIN(s);
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
@@ -37,45 +44,73 @@ QINLINE2 void e4m3x16_to_f32(const uint8_t *p, __m256 *lo, __m256 *hi) {
     *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep));
 }
 
-/* Accumulators per row: enough independent FMA chains to cover the FMA latency at M = 1. */
-/* Accumulators per row: enough independent FMA chains to cover the FMA latency at M = 1. */
-#define FP8_ACC(M) ((M) == 1 ? 4 : (M) <= 3 ? 2 : 1)
+/* Four FMA chains per row (enough to cover the FMA latency at M = 1), for every M: vector i
+ * (8 values) of a 128-value block goes to chain i % 4 whatever the number of rows, so each row
+ * sums in one order. M = 1 converts and multiplies in registers; more rows convert the block
+ * once into a 128-float buffer (L1) that each row then streams with its own four chains. */
+#define FP8_CHAINS 4
+
+/* The block's chain sums ((c0 + c1) + (c2 + c3)) times 256 x its scale, into acc. */
+QINLINE2 __m256 fp8_block_sum(const __m256 *t, __m256 sj, __m256 acc) {
+    __m256 lo = _mm256_add_ps(t[0], t[1]), hi = _mm256_add_ps(t[2], t[3]);
+    QPIN(lo);
+    QPIN(hi);
+    __m256 sum = _mm256_add_ps(lo, hi);
+    QPIN(sum);
+    return _mm256_fmadd_ps(sum, sj, acc);
+}
+
+/* Values [k, k_end) of the row, up to 32, as 32 codes (zeros beyond: x is zero-padded). */
+QINLINE2 const uint8_t *fp8_chunk(const uint8_t *b, int k, int k_end, uint8_t *tail) {
+    if (k_end - k >= 32) return b + k;
+    memset(tail, 0, 32);
+    memcpy(tail, b + k, (size_t)(k_end - k));
+    return tail;
+}
 
 QINLINE2 void fp8_rows_avx2_m(const qweight *w, int64_t n, const qact *a, int m0, float *dots,
                               const int M) {
-    const int K = w->cols, kb = (K + FP8_TILE - 1) / FP8_TILE, A = FP8_ACC(M);
+    const int K = w->cols, kb = (K + FP8_TILE - 1) / FP8_TILE;
     const uint8_t *b = qweight_row(w, n);
     const float *s = w->scale + (n / FP8_TILE) * kb;
     __m256 acc[QACT_MAX_M];
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     uint8_t tail[32];
+    float wbuf[FP8_TILE] __attribute__((aligned(32)));
     for (int j = 0; j < kb; j++) {
-        __m256 t[QACT_MAX_M][4];
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)
-            _Pragma("GCC unroll 4") for (int i = 0; i < A; i++) t[m][i] = _mm256_setzero_ps();
-        const int k_end = (j + 1) * FP8_TILE < K ? (j + 1) * FP8_TILE : K;
-        for (int k = j * FP8_TILE; k < k_end; k += 32) {
-            const uint8_t *src = b + k;
-            if (k_end - k < 32) { /* the row's last values: zeros beyond K (x is zero-padded) */
-                memset(tail, 0, sizeof tail);
-                memcpy(tail, src, (size_t)(k_end - k));
-                src = tail;
-            }
-            __m256 wv[4];
-            e4m3x16_to_f32(src, &wv[0], &wv[1]);
-            e4m3x16_to_f32(src + 16, &wv[2], &wv[3]);
-            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {
-                const float *x = qact_x32(a, m0 + m) + k;
-                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
-                    t[m][i % A] = _mm256_fmadd_ps(wv[i], _mm256_load_ps(x + 8 * i), t[m][i % A]);
-            }
-        }
-        /* the block's sum x 256 x its scale, once per 128 values and row */
+        const int k0 = j * FP8_TILE, k_end = k0 + FP8_TILE < K ? k0 + FP8_TILE : K;
         const __m256 sj = _mm256_set1_ps(s[j] * 256.f);
+        if (M == 1) {
+            __m256 t[FP8_CHAINS];
+            _Pragma("GCC unroll 4") for (int i = 0; i < FP8_CHAINS; i++) t[i] = _mm256_setzero_ps();
+            const float *x = qact_x32(a, m0);
+            for (int k = k0; k < k_end; k += 32) {
+                const uint8_t *src = fp8_chunk(b, k, k_end, tail);
+                __m256 wv[4];
+                e4m3x16_to_f32(src, &wv[0], &wv[1]);
+                e4m3x16_to_f32(src + 16, &wv[2], &wv[3]);
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+                    t[i] = _mm256_fmadd_ps(wv[i], _mm256_load_ps(x + k + 8 * i), t[i]);
+            }
+            acc[0] = fp8_block_sum(t, sj, acc[0]);
+            continue;
+        }
+        const int len = (k_end - k0 + 31) / 32 * 32;
+        for (int k = k0; k < k_end; k += 32) {
+            const uint8_t *src = fp8_chunk(b, k, k_end, tail);
+            __m256 *o = (__m256 *)(wbuf + (k - k0));
+            e4m3x16_to_f32(src, &o[0], &o[1]);
+            e4m3x16_to_f32(src + 16, &o[2], &o[3]);
+        }
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {
-            __m256 sum = t[m][0];
-            _Pragma("GCC unroll 4") for (int i = 1; i < A; i++) sum = _mm256_add_ps(sum, t[m][i]);
-            acc[m] = _mm256_fmadd_ps(sum, sj, acc[m]);
+            const float *x = qact_x32(a, m0 + m) + k0;
+            __m256 t[FP8_CHAINS];
+            _Pragma("GCC unroll 4") for (int i = 0; i < FP8_CHAINS; i++) t[i] = _mm256_setzero_ps();
+            for (int c = 0; c < len; c += 32)
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+                    t[i] = _mm256_fmadd_ps(_mm256_load_ps(wbuf + c + 8 * i),
+                                           _mm256_load_ps(x + c + 8 * i), t[i]);
+            acc[m] = fp8_block_sum(t, sj, acc[m]);
         }
     }
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) dots[m] = hsum8(acc[m]);
