@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import profiler as _profiler
 
 from deepinfer.quant.quantized_weight import QuantizedWeight
 
@@ -99,6 +100,14 @@ class QuantizedLinear(_QuantizedTensors):
         return F.linear(x, weight, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        # The kernels are C calls the profiler cannot see: name them while it records.
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function(
+                    f"deepinfer::quantized_linear[{'+'.join(self.formats)}]"):
+                return self._forward(x)
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
         out = None
         if self.kernel is not None:

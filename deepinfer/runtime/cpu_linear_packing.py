@@ -12,9 +12,10 @@ the linear weights take twice the memory) at memory speed where oneDNN's GEMM do
 (Zen 4, one thread, 40 cold 576x3072 layers: M=1 262 -> 185 us, M=2 336 -> 251 us; M=4 even).
 
 A model with quantized weights keeps one copy of its bf16 LM head (untied, or the tied
-embedding table): a `PackedLinear` without a packed weight, the small-batch kernel up to its
-MAX_ROWS and F.linear on the plain weight beyond. Its layers are quantized, so the head is
-most of what stays bf16, and a second copy of it would be most of the resident overhead.
+embedding table): a `PackedLinear` without a packed weight (logits from the small-batch
+kernel's float32 dots up to 8 rows, F.linear on the plain weight beyond). Its layers are
+quantized, so the head is most of what stays bf16, and a second copy of it would be most of
+the resident overhead.
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.runtime.cpu_huge_pages import move_to_huge_pages
-from deepinfer.runtime.cpu_small_batch_linear import (MAX_ROWS, SmallBatchLinear,
-                                                      load_small_batch_linear)
+from deepinfer.runtime.cpu_small_batch_linear import SmallBatchLinear, load_small_batch_linear
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,10 @@ def _ops_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN, or, with
-    `packed_weight` None, one that keeps only the plain weight (small_batch required)."""
+    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN. With
+    `packed_weight` None it keeps only the plain weight: a CPU whose oneDNN has no bf16
+    reorder (AVX2 without AVX-NE-CONVERT), or a quantized model's LM head (one copy). Then
+    the small-batch kernel takes decode rows and F.linear on the plain weight the rest."""
 
     def __init__(self, linear: nn.Linear, packed_weight: Tensor | None,
                  small_batch: SmallBatchLinear | None = None) -> None:
@@ -69,8 +71,7 @@ class PackedLinear(nn.Module):
         return self.small_batch.dots_f32(x, self.plain_weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = SMALL_BATCH_ROWS if self.packed_weight is not None else MAX_ROWS
-        if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= rows
+        if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
                 and self.small_batch.applies(x, self.plain_weight)):
             return self.small_batch(x, self.plain_weight, self.bias)
         if self.packed_weight is None:
@@ -82,6 +83,11 @@ class PackedLinear(nn.Module):
 def _try_pack(linear: nn.Linear) -> PackedLinear | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight, _PACK_BATCH_HINT)
+    except (RuntimeError, TypeError, AttributeError) as e:
+        logger.debug("oneDNN weight packing unavailable: %s", e)
+        small_batch = load_small_batch_linear()  # decode rows still stream the plain weight
+        return PackedLinear(linear, None, small_batch) if small_batch is not None else None
+    try:
         layer = PackedLinear(linear, packed)  # checked on the oneDNN path (3 rows)
         probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
         with torch.inference_mode():

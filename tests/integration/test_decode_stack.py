@@ -29,6 +29,22 @@ SHAPES = [(64, 4, 4, 16, 96, False), (192, 6, 2, 64, 520, True), (128, 4, 1, 64,
           (256, 4, 2, 128, 300, False)]
 
 
+def _host_has_avx512() -> bool:
+    return "avx512f" in open("/proc/cpuinfo").read()
+
+
+@pytest.fixture(autouse=True)
+def stack_builds_on_this_host(request):
+    """The stack is AVX-512 code: on a host without it the engine stays on the per-op path
+    (checked by the switch-off tests, which run everywhere); on a host with it the build must
+    load and pass its self-test."""
+    if "no_avx512_needed" in request.keywords:
+        return
+    if cpu_decode_stack.load_decode_stack_library() is None:
+        assert not _host_has_avx512(), "AVX-512 host: the decode stack must build and pass its self-test"
+        pytest.skip("no AVX-512 on this host: the fused decode stack is off, the per-op path runs")
+
+
 @pytest.fixture
 def gemv_for_every_row(monkeypatch):
     """The per-op path's linears use the C GEMV up to 8 rows (as the stack does)."""
@@ -91,6 +107,7 @@ def test_stack_takes_only_decode_only_steps_of_a_few_rows():
     assert calls == []
 
 
+@pytest.mark.no_avx512_needed
 def test_switch_off_keeps_the_per_op_path(monkeypatch):
     monkeypatch.setenv("DEEPINFER_DECODE_STACK", "0")
     model = _fast_random_model(SHAPES[0], seed=3)
@@ -98,6 +115,7 @@ def test_switch_off_keeps_the_per_op_path(monkeypatch):
     assert not install_decode_stack(model)
 
 
+@pytest.mark.no_avx512_needed
 def test_q_k_norm_and_moe_models_keep_the_per_op_path():
     model = _random_model(*SHAPES[0], torch.Generator().manual_seed(4))
     cpu_linear_packing.pack_linear_weights(model)
@@ -114,13 +132,13 @@ def test_a_wrong_stack_build_is_not_used(tmp_path, monkeypatch, caplog):
     shutil.copytree(cpu_kernel_build.KERNEL_DIR, sources)
     path = sources / "decode_stack.c"
     text = path.read_text()
-    old = "gemv_rows_bf16(att, (const uint16_t *)p[P_O_W], o_b, hid, hid,"
+    old = "stack_gemv(&w_o, &in, o_b, hid, hid,"
     assert old in text, "update this test's fault"
-    path.write_text(text.replace(old, "gemv_rows_bf16(att, (const uint16_t *)p[P_O_W], o_b, NULL, hid,"))
+    path.write_text(text.replace(old, "stack_gemv(&w_o, &in, o_b, NULL, hid,"))
     monkeypatch.setattr(cpu_kernel_build, "KERNEL_DIR", sources)
     monkeypatch.setattr(cpu_kernel_build, "_VERDICTS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    cpu_decode_stack.load_decode_stack_library.cache_clear()
+    cpu_decode_stack._verified_library.cache_clear()
     try:
         model = _random_model(*SHAPES[0], torch.Generator().manual_seed(4))
         cpu_linear_packing.pack_linear_weights(model)
@@ -128,7 +146,7 @@ def test_a_wrong_stack_build_is_not_used(tmp_path, monkeypatch, caplog):
         assert model.model.decode_stack is None
         assert any("decode_stack_bf16" in r.getMessage() for r in caplog.records)
     finally:
-        cpu_decode_stack.load_decode_stack_library.cache_clear()
+        cpu_decode_stack._verified_library.cache_clear()
 
 
 # --- the default model in bf16 through the engine -------------------------------------------
@@ -142,8 +160,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprob
 @pytest.fixture(scope="module")
 def bf16_llm():
     from deepinfer import LLM
-    return LLM(model=None, dtype="bfloat16", kv_cache_memory="128MiB", seed=0,
-               enable_prefix_caching=False)
+    # The GGUF expanded to bf16: the stack's bf16 GEMVs against the per-op bf16 kernels.
+    return LLM(model=None, dtype="bfloat16", quantization="bf16", kv_cache_memory="128MiB",
+               seed=0, enable_prefix_caching=False)
 
 
 def _generate(llm, prompts, stack_on: bool):
@@ -174,8 +193,9 @@ def test_default_model_ngram_verification_rows_equal(bf16_llm, gemv_for_every_ro
     from deepinfer import LLM
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    llm = LLM(model=None, dtype="bfloat16", kv_cache_memory="128MiB", seed=0,
-              enable_prefix_caching=False, share_weights_with=bf16_llm, speculative_config=spec)
+    llm = LLM(model=None, dtype="bfloat16", quantization="bf16", kv_cache_memory="128MiB",
+              seed=0, enable_prefix_caching=False, share_weights_with=bf16_llm,
+              speculative_config=spec)
     prompts = PROMPTS[3:5]  # repetitive: the drafts are often accepted (5-row verifications)
     assert _generate(llm, prompts, True) == _generate(llm, prompts, False)
 

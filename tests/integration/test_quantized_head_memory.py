@@ -49,8 +49,8 @@ def packing(monkeypatch):
     small_batch = load_small_batch_linear()
     if small_batch is None:
         pytest.skip("no small-batch kernel: no one-copy head to test")
-    if not cpu_linear_packing._ops_available() or cpu_linear_packing._try_pack(
-            torch.nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)) is None:
+    probe = cpu_linear_packing._try_pack(torch.nn.Linear(8, 8, bias=False, dtype=torch.bfloat16))
+    if not cpu_linear_packing._ops_available() or getattr(probe, "packed_weight", None) is None:
         def fake_pack(linear):
             return cpu_linear_packing.PackedLinear(linear, linear.weight.detach().clone(), small_batch)
         monkeypatch.setattr(cpu_linear_packing, "_ops_available", lambda: True)

@@ -71,7 +71,9 @@ def test_decode_stack_verification_rows_equal_the_positions_decoded_one_by_one(r
     from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     lib = load_decode_stack_library()
-    assert lib is not None, "the C compiler is part of the supported setup; the build failed"
+    if lib is None:  # AVX-512 code: on other CPUs the engine stays on the per-op path
+        assert "avx512f" not in open("/proc/cpuinfo").read(), "AVX-512 host: the stack must build"
+        pytest.skip("no AVX-512 on this host: the fused decode stack is off")
     gen = torch.Generator().manual_seed(rows)
     # hidden 160 (one 128-wide block and a 32-wide tail), GQA 3, intermediate 300
     model = _random_model(160, 6, 2, 64, 300, True, gen)
