@@ -1,6 +1,7 @@
 """GB/s of the FP8 block-scaled x bf16 GEMV (kernels/quant_linear.c) on one 4096 x 4096 matrix
 shape, the old path against the new one, alternating in one run, with a plain read of the same
-bytes and the bf16 small-batch GEMV of the same shape as yardsticks.
+bytes (torch's float32 sum over them) and the bf16 small-batch GEMV of the same shape as
+yardsticks, at each of `--threads`.
 
     .venv/bin/python benchmarks/fp8_gemv_bench.py --json benchmarks/results/fp8_gemv.json
 
