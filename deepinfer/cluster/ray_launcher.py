@@ -31,6 +31,7 @@ from deepinfer.cluster.worker_spec import CLUSTER_ROLES, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
+RAY_CLIENT_ATTEMPTS = 3  # connections through ray:// (see connect_ray)
 ACTOR_MAX_CONCURRENCY = 4  # start / wait / ping next to each other (threaded actor)
 RESOURCES_HELP = ("JSON object of Ray resources per worker of this role: num_cpus, num_gpus, "
                   "memory (bytes) and custom resources, e.g. "
@@ -299,16 +300,29 @@ def connect_ray(address: str | None, init_kwargs: dict | None = None) -> bool:
     kwargs = dict(init_kwargs or {})
     if address is not None:
         kwargs["address"] = address
-    try:
-        ray.init(**kwargs)
-    except (ConnectionError, TimeoutError) as exc:
-        where = address or os.environ.get("RAY_ADDRESS")
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        # Ray Client puts the server's traceback after its first line: keep its last line too.
-        reason = " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else \
-            type(exc).__name__
-        raise ValueError(f"cannot connect to Ray at {where}: {reason}") from None
+    # The head's Ray Client server starts one server process per client; that start now and
+    # then never answers (a forked child stuck before exec on a loaded head) and fails the
+    # whole connection. It is the head's transient fault, not a wrong address: try again.
+    attempts = RAY_CLIENT_ATTEMPTS if address is not None and address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**kwargs)
+            return True
+        except (ConnectionError, TimeoutError) as exc:
+            if attempt < attempts and "Initialization failure from server" in str(exc):
+                logger.warning("Ray Client server at %s failed to start a server for us "
+                               "(attempt %d of %d): trying again", address, attempt, attempts)
+                continue
+            _raise_cannot_connect(address, exc)
     return True
+
+
+def _raise_cannot_connect(address: str | None, exc: Exception) -> None:
+    where = address or os.environ.get("RAY_ADDRESS")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # Ray Client puts the server's traceback after its first line: keep its last line too.
+    reason = " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else type(exc).__name__
+    raise ValueError(f"cannot connect to Ray at {where}: {reason}") from None
 
 
 def front_host_for(address: str | None, front_host: str | None) -> str:
