@@ -70,17 +70,12 @@ static inline __m256i dot_u8s8_avx2(__m256i u, __m256i s) {
  * (8 lanes: two 16-value halves for q6_k) and its additive float term per activation sum. */
 typedef struct { __m256i q; __m256 scale; float off_a, off_b; int is_signed; } blk32;
 
-static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float *dots, int M) {
+/* GGUF formats; M is a compile-time constant in each instance (avx2_rows), so the per-row
+ * accumulators stay in registers instead of a stack array updated every block. */
+QINLINE2 void gguf_rows_avx2_m(const qweight *w, int64_t n, const qact *a, int m0, float *dots,
+                               const int M) {
     const int fmt = w->format, K = w->cols;
     const uint8_t *b = qweight_row(w, n);
-    if (fmt == QF_FP8) {
-        fp8_rows_avx2(w, n, a, m0, dots, M);
-        return;
-    }
-    if (fmt == QF_INT8) {
-        int8_rows_avx2(w, n, a, m0, dots, M);
-        return;
-    }
     __m256 acc[QACT_MAX_M];
     float off[QACT_MAX_M];
     for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
@@ -159,6 +154,27 @@ static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float 
         }
     }
     for (int m = 0; m < M; m++) dots[m] = hsum8(acc[m]) + off[m];
+}
+
+static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float *dots, int M) {
+    if (w->format == QF_FP8) {
+        fp8_rows_avx2(w, n, a, m0, dots, M);
+        return;
+    }
+    if (w->format == QF_INT8) {
+        int8_rows_avx2(w, n, a, m0, dots, M);
+        return;
+    }
+    switch (M) {
+    case 1: gguf_rows_avx2_m(w, n, a, m0, dots, 1); return;
+    case 2: gguf_rows_avx2_m(w, n, a, m0, dots, 2); return;
+    case 3: gguf_rows_avx2_m(w, n, a, m0, dots, 3); return;
+    case 4: gguf_rows_avx2_m(w, n, a, m0, dots, 4); return;
+    case 5: gguf_rows_avx2_m(w, n, a, m0, dots, 5); return;
+    case 6: gguf_rows_avx2_m(w, n, a, m0, dots, 6); return;
+    case 7: gguf_rows_avx2_m(w, n, a, m0, dots, 7); return;
+    default: gguf_rows_avx2_m(w, n, a, m0, dots, 8); return;
+    }
 }
 #endif
 #endif
