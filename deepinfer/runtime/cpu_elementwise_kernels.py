@@ -125,15 +125,12 @@ def silu_and_mul_mismatch(kernels: ElementwiseKernels) -> str | None:
 
 def _module_dtype(module: nn.Module) -> torch.dtype | None:
     """The dtype of the first parameter or buffer: after cpu_linear_packing an MLP's weights
-    are packed buffers (looking at parameters alone missed every packed MLP), or only the
-    plain weights a PackedLinear keeps where oneDNN cannot pack bf16 (AVX2 hosts). Quantized
+    are packed buffers (looking at parameters alone missed every packed MLP). Quantized
     weights' codes and scales say nothing about the activations and are skipped."""
     from deepinfer.quant.quantized_model import quantized_modules
 
     skip = {id(t) for m in quantized_modules(module) for t in m.buffers()}
-    plain = (m.plain_weight for m in module.modules()
-             if isinstance(getattr(m, "plain_weight", None), torch.Tensor))
-    tensor = next((t for t in itertools.chain(module.parameters(), module.buffers(), plain)
+    tensor = next((t for t in itertools.chain(module.parameters(), module.buffers())
                    if id(t) not in skip), None)
     return None if tensor is None else tensor.dtype
 
