@@ -10,6 +10,12 @@ Batches of at most `SMALL_BATCH_ROWS` rows (batch-1/2 decode) go to the C kernel
 cpu_small_batch_linear instead, which reads the plain weight (kept beside the packed copy, so
 the linear weights take twice the memory) at memory speed where oneDNN's GEMM does not
 (Zen 4, one thread, 40 cold 576x3072 layers: M=1 262 -> 185 us, M=2 336 -> 251 us; M=4 even).
+
+A model with quantized weights keeps one copy of its bf16 LM head (untied, or the tied
+embedding table): a `PackedLinear` without a packed weight (logits from the small-batch
+kernel's float32 dots up to 8 rows, F.linear on the plain weight beyond). Its layers are
+quantized, so the head is most of what stays bf16, and a second copy of it would be most of
+the resident overhead.
 """
 from __future__ import annotations
 
@@ -36,9 +42,10 @@ def _ops_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN. A CPU
-    whose oneDNN has no bf16 reorder (AVX2 without AVX-NE-CONVERT) gets `packed_weight` None:
-    the small-batch kernel for decode rows, F.linear on the plain weight for the rest."""
+    """Drop-in for an inference-only nn.Linear whose weight was reordered for oneDNN. With
+    `packed_weight` None it keeps only the plain weight: a CPU whose oneDNN has no bf16
+    reorder (AVX2 without AVX-NE-CONVERT), or a quantized model's LM head (one copy). Then
+    the small-batch kernel takes decode rows and F.linear on the plain weight the rest."""
 
     def __init__(self, linear: nn.Linear, packed_weight: Tensor | None,
                  small_batch: SmallBatchLinear | None = None) -> None:
@@ -50,6 +57,8 @@ class PackedLinear(nn.Module):
         # The plain weight for the small-batch kernel; None keeps oneDNN for every batch.
         self.small_batch = small_batch
         self.plain_weight = linear.weight.detach() if small_batch is not None else None
+        if packed_weight is None and small_batch is None:
+            raise ValueError("a PackedLinear without a packed weight needs the small-batch kernel")
 
     def logits_f32(self, x: Tensor) -> Tensor | None:
         """x @ weight.T in float32 from the small-batch kernel (no bias; for an LM head), or
@@ -94,22 +103,56 @@ def _try_pack(linear: nn.Linear) -> PackedLinear | None:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Replace the bf16 CPU nn.Linear layers of `model` in place; returns how many."""
+    """Replace the bf16 CPU nn.Linear layers of `model` in place; returns how many (a
+    quantized model's LM head, kept in one copy, counts too)."""
+    from deepinfer.quant.quantized_model import quantized_modules
+
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
                and child.weight.dtype == torch.bfloat16]
     _plain_weights_to_huge_pages(model, [child.weight for _, _, child in targets])
+    quantized = bool(quantized_modules(model))
+    if quantized:
+        head = getattr(model, "lm_head", None)
+        targets = [t for t in targets if t[2] is not head]
+        num_heads = _one_copy_head(model)
+    else:
+        num_heads = 0
     if not _ops_available():
-        return 0
+        return num_heads
     num = 0
     for parent, name, child in targets:
         layer = _try_pack(child)
         if layer is None:
-            return num  # same op for every layer: if one fails, keep the rest plain
+            return num + num_heads  # same op for every layer: if one fails, keep the rest plain
         setattr(parent, name, layer)
         num += 1
-    return num + _pack_tied_lm_head(model)
+    return num + num_heads + (0 if quantized else _pack_tied_lm_head(model))
+
+
+def _one_copy_head(model: nn.Module) -> int:
+    """A quantized model's bf16 head (untied `lm_head`, or the tied embedding table when no
+    quantized head serves the logits) behind the small-batch kernel, no packed copy; 1 if so."""
+    small_batch = load_small_batch_linear()
+    if small_batch is None or not hasattr(model, "logits_linear"):
+        return 0
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if (model.logits_linear is not None or not isinstance(embed, nn.Embedding)
+                or embed.weight.device.type != "cpu" or embed.weight.dtype != torch.bfloat16):
+            return 0
+        vocab, hidden = embed.weight.shape
+        linear = nn.Linear(hidden, vocab, bias=False, device="meta")
+        linear.weight = nn.Parameter(embed.weight, requires_grad=False)
+        model.logits_linear = PackedLinear(linear, None, small_batch)
+        return 1
+    if (not isinstance(head, nn.Linear) or head.weight.device.type != "cpu"
+            or head.weight.dtype != torch.bfloat16):
+        return 0
+    model.lm_head = PackedLinear(head, None, small_batch)
+    return 1
 
 
 def _plain_weights_to_huge_pages(model: nn.Module, weights: list[Tensor]) -> None:

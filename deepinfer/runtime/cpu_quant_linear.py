@@ -3,7 +3,8 @@
 
 bf16 activations are quantized per step to int8 (a scale per 32 values for GGUF weights, per
 row for int8 weights) and dotted with AVX-512 VNNI, AVX2 or portable code; fp8 weights meet
-bf16 activations in bf16 dot products; float32 activations take the exact path (weights
+bf16 activations in bf16 dot products (AVX-512) or float32 FMAs on e4m3 codes widened through
+F16C (AVX2); float32 activations take the exact path (weights
 dequantized row by row inside the kernel, no activation rounding). The instruction set is
 the best one the build has; DEEPINFER_QUANT_ISA=avx512|avx2|portable caps it (the AVX2 and
 portable paths run on any x86-64 with those instructions and are tested on this one).

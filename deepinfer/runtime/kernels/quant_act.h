@@ -12,7 +12,8 @@
  *     xsv = dxv * lsum (for the formats with a per-block minimum)
  *   ACT_BLK32   (AVX2, portable; GGUF) natural order, dx per 32 values, sums per 16 values
  *   ACT_ROW     (int8 weights: W8A8) one scale per row (max|x| / 127) and the row's sum of q
- *   ACT_BF16    (fp8 weights) the bf16 row itself, zero-padded to 128 values
+ *   ACT_BF16    (fp8 weights) the bf16 row itself and its float32 copy (the AVX2 path's
+ *               operand), both zero-padded to 128 values
  * Per 32-value block: d = max|x| / 127, q = round(x * (127 / max|x|)), ties to even (llama.cpp's
  * q8_0 rule). Rows are zero-padded to whole groups (q = 0, scales 0), so a partial last group
  * adds nothing. This file is compiled without -ffast-math: bf16 inputs often sit exactly at
@@ -49,6 +50,7 @@ typedef struct {
     float *rs;             /* ROW: [M] scales */
     int32_t *rsum;         /* ROW: [M] sums of q */
     uint16_t *x16;         /* BF16: [M, Kp] */
+    float *x32;            /* BF16: [M, Kp], the same values as float32 */
 } qact;
 
 static inline int qact_family(int isa, int fmt) {
@@ -63,8 +65,9 @@ static inline int qact_padded(int K) { return (K + QACT_PAD - 1) / QACT_PAD * QA
 /* Bytes of scratch qact_carve needs for M rows of K values. */
 static inline size_t qact_bytes(int M, int K) {
     const size_t Kp = (size_t)qact_padded(K);
-    /* q + bf16 copy + (dxv, xsv, lsum) at 16 lanes per 64 values, or dx and sums per block */
-    return (size_t)M * (Kp + 2 * Kp + 3 * 4 * (Kp / 4) + 8) + 4 * 64;
+    /* q + bf16 and float32 copies + (dxv, xsv, lsum) at 16 lanes per 64 values, or dx and
+     * sums per block */
+    return (size_t)M * (Kp + 2 * Kp + 4 * Kp + 3 * 4 * (Kp / 4) + 8) + 4 * 64;
 }
 
 static inline void *align64(void *p) { return (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
@@ -153,9 +156,12 @@ static void act_prepare_row(qact *a, int m, const void *xm, int is_f32) {
     int32_t *lsum = a->lsum + (size_t)m * (Kp / 4);
     if (family == ACT_BF16) {
         uint16_t *o = a->x16 + (size_t)m * Kp;
-        for (int k = 0; k < Kp; k++)
+        float *o32 = a->x32 + (size_t)m * Kp;
+        for (int k = 0; k < Kp; k++) {
             o[k] = k >= K ? 0 : is_f32 ? f32_to_bf16(((const float *)xm)[k])
                                        : ((const uint16_t *)xm)[k];
+            o32[k] = bf16_to_f32(o[k]);
+        }
     } else if (family == ACT_ROW) {
         float amax = 0.f;
         for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(act_value(xm, is_f32, k)));
@@ -195,6 +201,7 @@ static void qact_carve(qact *a, int family, int M, int K, void *mem) {
     a->dxv = (float *)p; p += (size_t)M * (Kp / 4) * 4;
     a->xsv = (float *)p; p += (size_t)M * (Kp / 4) * 4;
     a->lsum = (int32_t *)p; p += (size_t)M * (Kp / 4) * 4;
+    a->x32 = (float *)p; p += (size_t)M * Kp * 4;
     a->rs = (float *)p; p += (size_t)M * 4;
     a->rsum = (int32_t *)p;
 }
@@ -207,4 +214,5 @@ static inline const float *qact_dxv(const qact *a, int m) { return a->dxv + (siz
 static inline const float *qact_xsv(const qact *a, int m) { return a->xsv + (size_t)m * (a->Kp / 4); }
 static inline const int32_t *qact_lsum(const qact *a, int m) { return a->lsum + (size_t)m * (a->Kp / 4); }
 static inline const uint16_t *qact_x16(const qact *a, int m) { return a->x16 + (size_t)m * a->Kp; }
+static inline const float *qact_x32(const qact *a, int m) { return a->x32 + (size_t)m * a->Kp; }
 #endif

@@ -3,11 +3,13 @@
  * for int8; ACT_BF16 for fp8). The same sums as quant_dot_avx512.h, one 32-value block at a
  * time. AVX2 multiplies unsigned x signed bytes with vpmaddubsw (pairs summed into int16: weight
  * codes <= 63 cannot saturate; signed weights go through the sign trick |w| x sign(x, w)) and
- * adds block offsets and minimums per block in float. The portable code multiplies each
- * block's reference float weights (dequant_row_f32) with the int8 activations. */
+ * adds block offsets and minimums per block in float; fp8 and int8 weights take
+ * quant_dot_avx2_element.h. The portable code multiplies each block's reference float weights
+ * (dequant_row_f32) with the int8 activations. */
 #ifndef DEEPINFER_QUANT_DOT_PORTABLE_H
 #define DEEPINFER_QUANT_DOT_PORTABLE_H
 #include "quant_act.h"
+#include "quant_dot_avx2_element.h"
 
 typedef void (*qrows_fn)(const qweight *, int64_t, const qact *, int, float *);
 
@@ -64,24 +66,16 @@ static inline __m256i dot_u8s8_avx2(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One 32-value block's codes as unsigned bytes (or, `is_signed`, signed), its per-lane scale
  * (8 lanes: two 16-value halves for q6_k) and its additive float term per activation sum. */
 typedef struct { __m256i q; __m256 scale; float off_a, off_b; int is_signed; } blk32;
 
-static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float *dots, int M) {
+/* GGUF formats; M is a compile-time constant in each instance (avx2_rows), so the per-row
+ * accumulators stay in registers instead of a stack array updated every block. */
+QINLINE2 void gguf_rows_avx2_m(const qweight *w, int64_t n, const qact *a, int m0, float *dots,
+                               const int M) {
     const int fmt = w->format, K = w->cols;
     const uint8_t *b = qweight_row(w, n);
-    if (fmt == QF_INT8 || fmt == QF_FP8) {
-        scalar_rows(w, n, a, m0, dots, M); /* W8A8 and fp8 have exact AVX-512 kernels; here plain */
-        return;
-    }
     __m256 acc[QACT_MAX_M];
     float off[QACT_MAX_M];
     for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
@@ -160,6 +154,27 @@ static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float 
         }
     }
     for (int m = 0; m < M; m++) dots[m] = hsum8(acc[m]) + off[m];
+}
+
+static void avx2_rows(const qweight *w, int64_t n, const qact *a, int m0, float *dots, int M) {
+    if (w->format == QF_FP8) {
+        fp8_rows_avx2(w, n, a, m0, dots, M);
+        return;
+    }
+    if (w->format == QF_INT8) {
+        int8_rows_avx2(w, n, a, m0, dots, M);
+        return;
+    }
+    switch (M) {
+    case 1: gguf_rows_avx2_m(w, n, a, m0, dots, 1); return;
+    case 2: gguf_rows_avx2_m(w, n, a, m0, dots, 2); return;
+    case 3: gguf_rows_avx2_m(w, n, a, m0, dots, 3); return;
+    case 4: gguf_rows_avx2_m(w, n, a, m0, dots, 4); return;
+    case 5: gguf_rows_avx2_m(w, n, a, m0, dots, 5); return;
+    case 6: gguf_rows_avx2_m(w, n, a, m0, dots, 6); return;
+    case 7: gguf_rows_avx2_m(w, n, a, m0, dots, 7); return;
+    default: gguf_rows_avx2_m(w, n, a, m0, dots, 8); return;
+    }
 }
 #endif
 #endif

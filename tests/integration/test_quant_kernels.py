@@ -1,0 +1,132 @@
+"""The quantized CPU kernels (runtime/kernels/quant_linear.c) at every instruction set this
+build has, against the torch reference dequantize: the load-time self-test per ISA, FP8 at
+model-sized shapes with partial blocks, every e4m3 code, int8 sums exact on every path, and
+that an AVX2 host gets the AVX2 kernels rather than the portable ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.quant.quantized_weight import FP8_BLOCK, INT8, QuantizedWeight, quantize_int8
+from deepinfer.runtime.cpu_kernel_build import cpu_identity, load_kernel_library
+from deepinfer.runtime.cpu_quant_linear import (ISA_CODES, QuantLinearKernel, load_quant_linear,
+                                                quant_linear_mismatch, quantized_activations,
+                                                random_blocks)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _host_flags() -> set[str]:
+    for line in cpu_identity().splitlines():
+        if line.split(":")[0].strip() == "flags":
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def library():
+    lib = load_kernel_library("quant_linear")
+    if lib is None:
+        pytest.skip("no C compiler: the quantized layers keep their torch path")
+    return lib
+
+
+def _kernel(library, isa: str) -> QuantLinearKernel:
+    kernel = QuantLinearKernel(library, ISA_CODES[isa])
+    if kernel.isa != ISA_CODES[isa]:
+        pytest.skip(f"this build has no {isa} path (best: {kernel.isa_name})")
+    return kernel
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_self_test_passes_at_every_compiled_isa(library, isa):
+    with torch.inference_mode():
+        assert quant_linear_mismatch(_kernel(library, isa)) is None
+
+
+def test_avx2_host_runs_the_avx2_kernels():
+    """Not silently portable: a host with AVX2 + FMA + F16C verifies and uses at least AVX2."""
+    flags = _host_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("host without AVX2 + FMA + F16C")
+    kernel = load_quant_linear()
+    assert kernel is not None, "the quantized kernel failed its self-test on this host"
+    want = "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"} <= flags else "avx2"
+    assert kernel.isa_name == want
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("rows, cols", [(4096, 4096), (300, 1000), (129, 2088)])
+def test_fp8_equals_dequantized_reference(library, isa, rows, cols):
+    """Decode-sized row counts (1..8 and a chunked 13), bf16 and float32 outputs and inputs,
+    against x @ dequantize(W).T: float32 sums in another order are the only difference."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(rows + cols)
+    if rows * cols > 4_000_000 and isa == "portable":
+        rows = 1024  # the portable path is slow; its shape logic is the same
+    weight = random_blocks(FP8_BLOCK, rows, cols, gen)
+    w = weight.dequantize(torch.float32)
+    for m in (1, 2, 5, 8, 13):
+        x = torch.randn(m, cols, generator=gen)
+        for dtype in (torch.bfloat16, torch.float32):
+            xd = x.to(dtype)
+            want = xd.float() @ w.T
+            tol = 1e-5 * (xd.float().abs() @ w.abs().T) + 1e-30
+            got = kernel.linear(xd, weight, None)
+            bound = tol if dtype == torch.float32 else tol + 2 ** -8 * want.abs()
+            assert ((got.float() - want).abs() <= bound).all(), (m, dtype)
+            if dtype == torch.bfloat16:
+                assert ((kernel.dots_f32(xd, weight) - want).abs() <= tol).all(), m
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_every_e4m3_code_converts_exactly(library, isa):
+    """Each of the 254 finite codes (subnormals, both zeros) as one weight, read by a one-hot
+    input: the kernel's float32 dot is the reference value times the block scale, exactly."""
+    kernel = _kernel(library, isa)
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    cols = 160  # a partial second block
+    data = torch.zeros(len(codes), cols, dtype=torch.uint8)
+    data[:, 131] = codes
+    weight = QuantizedWeight(FP8_BLOCK, len(codes), cols, data.view(torch.float8_e4m3fn),
+                             torch.tensor([[0.5, 0.25]] * 2), (128, 128))
+    x = torch.zeros(1, cols, dtype=torch.bfloat16)
+    x[0, 131] = 1.0
+    want = codes.view(torch.float8_e4m3fn).float() * 0.25
+    assert torch.equal(kernel.dots_f32(x, weight)[0], want)
+
+
+def test_int8_dots_are_exact_on_every_path(library):
+    """W8A8 sums integers exactly, so every ISA gives the same float32 logits bit for bit, and
+    they equal the torch computation on the kernel's own int8 activations."""
+    gen = torch.Generator().manual_seed(3)
+    weight = quantize_int8(torch.randn(70, 1000, generator=gen))
+    x = torch.randn(5, 1000, generator=gen).bfloat16()
+    results = {}
+    for isa in ISA_CODES:
+        kernel = QuantLinearKernel(library, ISA_CODES[isa])
+        if kernel.isa == ISA_CODES[isa]:
+            results[isa] = kernel.dots_f32(x, weight)
+    assert len(results) >= 1
+    first = next(iter(results.values()))
+    for isa, got in results.items():
+        assert torch.equal(got, first), isa
+    xq, _ = quantized_activations(x, INT8)
+    want = xq.double() @ weight.dequantize(torch.float32).double().T
+    assert torch.allclose(first.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(library, isa):
+    """Speculative verification rows must equal the same position decoded alone: each input
+    row's output is bit-identical whether it is computed alone or among 2..8 (and 13) rows."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(11)
+    for fmt, rows, cols in [("q4_0", 40, 576), ("q4_1", 40, 576), ("q8_0", 40, 576),
+                            ("q4_k", 24, 512), ("q5_k", 24, 512), ("q6_k", 24, 512),
+                            (INT8, 40, 1000), (FP8_BLOCK, 140, 1000)]:
+        weight = random_blocks(fmt, rows, cols, gen)
+        x = torch.randn(13, cols, generator=gen).bfloat16()
+        alone = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(13)])
+        for m in (2, 3, 4, 5, 8, 13):
+            assert torch.equal(kernel.dots_f32(x[:m], weight), alone[:m]), (fmt, m)
