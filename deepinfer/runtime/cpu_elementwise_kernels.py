@@ -130,7 +130,10 @@ def _module_dtype(module: nn.Module) -> torch.dtype | None:
     from deepinfer.quant.quantized_model import quantized_modules
 
     skip = {id(t) for m in quantized_modules(module) for t in m.buffers()}
-    tensor = next((t for t in itertools.chain(module.parameters(), module.buffers())
+    # where oneDNN cannot pack bf16 a PackedLinear holds only its plain weight (an attribute)
+    plain = (m.plain_weight for m in module.modules()
+             if isinstance(getattr(m, "plain_weight", None), torch.Tensor))
+    tensor = next((t for t in itertools.chain(module.parameters(), module.buffers(), plain)
                    if id(t) not in skip), None)
     return None if tensor is None else tensor.dtype
 
