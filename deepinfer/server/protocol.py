@@ -67,9 +67,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM sampling extensions
     "prompt_logprobs": _OFF, "use_beam_search": _OFF,
     "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
-    "logits_processors": _OFF, "structured_outputs": _OFF, "guided_json": _OFF,
-    "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF,
-    "guided_whitespace_pattern": _OFF, "guided_decoding_backend": _OFF,
+    "logits_processors": _OFF, "guided_whitespace_pattern": _OFF, "guided_decoding_backend": _OFF,
     "allowed_token_ids_per_position": _OFF, "prompt_embeds": _OFF, "priority": (None, 0),
     "mm_processor_kwargs": _OFF, "vllm_xargs": _OFF, "kv_transfer_params": _OFF,
     "min_p_per_token": _OFF, "detokenize": (None, True), "lora_request": _OFF,
@@ -114,6 +112,14 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # Structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --- /v1/completions ---------------------------------------------------------------------------
@@ -128,7 +134,6 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -202,7 +207,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class ChatTopLogprob(BaseModel):

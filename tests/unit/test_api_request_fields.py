@@ -140,9 +140,8 @@ def test_bad_values_name_the_field(completion, fields, param):
 UNSUPPORTED_BOTH = [
     ("use_beam_search", True),
     ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
-    ("logits_processors", ["x"]), ("priority", 5), ("response_format", {"type": "json_object"}),
+    ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
+    ("logits_processors", ["x"]), ("priority", 5),
 ]
 UNSUPPORTED_CHAT = [
     ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
