@@ -72,9 +72,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "mm_processor_kwargs": _OFF, "vllm_xargs": _OFF, "kv_transfer_params": _OFF,
     "min_p_per_token": _OFF, "detokenize": (None, True), "lora_request": _OFF,
     # chat (OpenAI and vLLM)
-    "tool_choice": (None, "none", "auto"), "functions": _OFF, "function_call": (None, "none", "auto"),
+    "functions": _OFF, "function_call": (None, "none", "auto"),
     "audio": _OFF, "modalities": (None, ["text"]), "chat_template": _OFF,
-    "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
+    "continue_final_message": _OFF, "documents": _OFF,
     "echo": _OFF, "add_special_tokens": (None, False),
 }
 # (A request's declared fields never reach this table: completions' `echo`,
@@ -206,7 +206,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Tool calling (server/tool_calling.py); tool_choice: "none" | "auto" | "required" |
+    # {"type": "function", "function": {"name": ...}}
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
 
 class ChatTopLogprob(BaseModel):
@@ -223,9 +228,34 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -250,6 +280,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

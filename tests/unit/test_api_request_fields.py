@@ -144,9 +144,7 @@ UNSUPPORTED_BOTH = [
     ("logits_processors", ["x"]), ("priority", 5),
 ]
 UNSUPPORTED_CHAT = [
-    ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("continue_final_message", True),
+    ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"), ("continue_final_message", True),
     ("echo", True), ("add_special_tokens", True), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "x"}), ("prompt_logprobs", 1),
 ]
