@@ -74,7 +74,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # chat (OpenAI and vLLM)
     "functions": _OFF, "function_call": (None, "none", "auto"),
     "audio": _OFF, "modalities": (None, ["text"]), "chat_template": _OFF,
-    "continue_final_message": _OFF, "documents": _OFF,
+    "documents": _OFF,
     "echo": _OFF, "add_special_tokens": (None, False),
 }
 # (A request's declared fields never reach this table: completions' `echo`,
@@ -212,6 +212,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # Continue the last (assistant) message instead of opening a new turn (vLLM); DeepSeek's
+    # spelling is `"prefix": true` on that message.
+    continue_final_message: bool = False
 
 
 class ChatTopLogprob(BaseModel):

@@ -57,13 +57,40 @@ _RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "tokeni
                            "chat_template", "continue_final_message", "return_dict"}
 
 
+def continues_final_message(request) -> bool:
+    """Whether the prompt ends inside the last message, which the model continues: vLLM's
+    continue_final_message, or DeepSeek's `"prefix": true` on a final assistant message.
+    400 for a prefix anywhere else, or with add_generation_prompt set explicitly."""
+    messages = request.messages
+    for i, message in enumerate(messages):
+        if message.get("prefix") not in (None, False):
+            if i != len(messages) - 1 or message.get("role") != "assistant" \
+                    or message.get("prefix") is not True:
+                raise bad_request("prefix: true is allowed on the last message only, an "
+                                  "assistant message", param=f"messages[{i}].prefix")
+    continues = request.continue_final_message or messages[-1].get("prefix") is True
+    if continues:
+        if messages[-1].get("role") != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message",
+                              param="continue_final_message")
+        if request.add_generation_prompt and "add_generation_prompt" in request.model_fields_set:
+            raise bad_request("continue_final_message and add_generation_prompt exclude each "
+                              "other", param="add_generation_prompt")
+    return continues
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
                         chat_template: str | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> list[int]:
     """Render with the template (the tokenizer's, or `chat_template`), then tokenize without
-    adding special tokens again (the template already holds them)."""
+    adding special tokens again (the template already holds them). `continue_final_message`:
+    the rendering stops right after the last message's content (transformers cuts it there)."""
     extra = dict(template_kwargs or {})
+    if continue_final_message:
+        extra["continue_final_message"] = True
+        add_generation_prompt = False
     if tools is not None:
         extra["tools"] = tools
     if chat_template is not None:
@@ -119,10 +146,11 @@ class OpenAIServingChat(OpenAIServing):
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
                               param="chat_template_kwargs")
+        continues = continues_final_message(request)
         try:
             return apply_chat_template(tokenizer, messages, request.add_generation_prompt,
                                        tools=plan.tools, chat_template=self.chat_template,
-                                       template_kwargs=kwargs)
+                                       template_kwargs=kwargs, continue_final_message=continues)
         except Exception as e:  # template errors are the caller's messages' fault
             raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
 

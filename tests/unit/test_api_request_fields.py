@@ -144,11 +144,11 @@ UNSUPPORTED_BOTH = [
     ("logits_processors", ["x"]), ("priority", 5),
 ]
 UNSUPPORTED_CHAT = [
-    ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"), ("continue_final_message", True),
+    ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"),
     ("echo", True), ("add_special_tokens", True), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "x"}), ("prompt_logprobs", 1),
 ]
-UNSUPPORTED_COMPLETION = [("echo", True), ("suffix", "end"), ("best_of", 3)]
+UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3)]
 
 
 @pytest.mark.parametrize("name,value", UNSUPPORTED_BOTH + UNSUPPORTED_CHAT,
