@@ -18,6 +18,7 @@ from deepinfer.server.serving_base import (
     SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, json_logprob, make_usage,
     sse_event,
 )
+from deepinfer.server.structured_request import asks_structured_output
 from deepinfer.server.tool_calling import ToolPlan, message_tool_fields, plan_tools, template_renders
 from deepinfer.server.tool_parsers import get_tool_parser
 
@@ -128,6 +129,13 @@ class OpenAIServingChat(OpenAIServing):
     def _tool_plan(self, request: ChatCompletionRequest) -> ToolPlan:
         return plan_tools(request, self.auto_tool_parser)
 
+    def _output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser:
+        """How choices become messages. A grammar constrains the output from its first token,
+        so a constrained output has no reasoning to split off."""
+        plan = self._tool_plan(request)
+        constrained = plan.structured is not None or asks_structured_output(request)
+        return ChatOutputParser(plan, None if constrained else self.reasoning_parser)
+
     def _render(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         """The prompt; 400 where the template would drop the tools or tool calls."""
         messages = normalize_messages(request.messages)
@@ -232,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
                 pass
         finally:
             admission.release()
-        output = ChatOutputParser(self._tool_plan(request), self.reasoning_parser)
+        output = self._output_parser(request)
         choices = []
         for c in state.choices:
             message, finish_reason = output.message(c.text, c.finish_reason)
@@ -265,7 +273,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_token_ids=prompt_token_ids))
 
         cursors = [StreamCursor() for _ in range(request.n)]
-        output = ChatOutputParser(self._tool_plan(request), self.reasoning_parser)
+        output = self._output_parser(request)
         streamers = None if output.is_plain else [output.streamer() for _ in range(request.n)]
         state = None
         try:

@@ -27,6 +27,13 @@ _LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def asks_structured_output(request) -> bool:
+    """Whether the request sets any structured-output field (without checking it)."""
+    fmt = request.response_format
+    return bool((fmt and fmt.get("type") != "text") or request.structured_outputs
+                or any(getattr(request, name) not in (None, "", [], {}) for name in _LEGACY_FIELDS))
+
+
 def structured_outputs_for(request) -> StructuredOutputsParams | None:
     """The request's constraint (None: unconstrained); APIError 400 for a bad or ambiguous one."""
     found: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration.serve_process import ServeProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOOLS_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -67,7 +67,7 @@ def server(template_file):
     server = ServeProcess("--dtype", "float32", "--kv-cache-memory", "128MiB", "--threads", "1",
                           "--max-model-len", "1024", "--chat-template", str(template_file),
                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    server.wait_ready()
+    server.wait_ready(timeout_s=900)
     yield server
     assert server.stop() == 0
 
@@ -184,3 +184,24 @@ def test_bad_specs_are_400s(server, model, path, body, param):
     ok = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi",
                                                           "max_tokens": 2}, timeout=120)
     assert ok.status_code == 200
+
+
+def test_prefix_completion_continues_the_message(client, model):
+    messages = ASK + [{"role": "assistant", "content": "The forecast for Paris is", "prefix": True}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                              temperature=0.0, extra_body={"return_token_ids": True})
+    tokenizer_text = response.prompt_token_ids
+    assert response.choices[0].message.content  # the model went on writing
+    plain = client.chat.completions.create(model=model, messages=messages[:1] + [
+        {k: v for k, v in messages[1].items() if k != "prefix"}], max_tokens=1, temperature=0.0,
+        extra_body={"return_token_ids": True})
+    # The same conversation without prefix closes the turn and opens a new one: longer.
+    assert plain.prompt_token_ids[:len(tokenizer_text)] == tokenizer_text
+    assert len(plain.prompt_token_ids) > len(tokenizer_text)
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400(server, model):
+    response = httpx.post(f"{server.url}/v1/completions", json={
+        "model": model, "prompt": "def f(", "suffix": "    return 1\n", "max_tokens": 4},
+        timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"

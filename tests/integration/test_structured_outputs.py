@@ -106,18 +106,13 @@ def test_bad_specs_are_refused_before_queueing(engine_base_llm, spec):
                                     use_tqdm=False)[0].outputs[0].text == "ok"
 
 
-@pytest.mark.parametrize("speculative_config", [
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-     "prompt_lookup_max": 3},
-    {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-     "prompt_lookup_max": 2},
-], ids=["ngram4", "ngram2"])
-def test_speculation_gives_the_same_structured_tokens(engine_base_llm, make_engine_llm,
-                                                      speculative_config):
+def test_speculation_gives_the_same_structured_tokens(engine_base_llm, make_engine_llm):
+    """ngram drafts copy the prompt's JSON, so many are checked against the grammar, some
+    accepted and some rolled back; the tokens are those of the plain engine."""
     prompts = [PROMPT + '{"name": "', PROMPT]
-    params = [constrained(json=PERSON), constrained(json=SCHEMAS[1]),
-              constrained(json=PERSON, temperature=1.0, seed=5)]
-    llm = make_engine_llm(speculative_config=speculative_config)
+    params = [constrained(json=PERSON), constrained(json=PERSON, temperature=1.0, seed=5)]
+    llm = make_engine_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     for p in params:
         want = engine_base_llm.generate(prompts, p, use_tqdm=False)
         got = llm.generate(prompts, p, use_tqdm=False)
