@@ -25,6 +25,8 @@ from deepinfer.structured.params import StructuredOutputsParams, canonical_schem
 _LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# Larger specs are refused: compiling one costs the engine time in proportion to its size.
+MAX_SPEC_CHARS = 64 * 1024
 
 
 def asks_structured_output(request) -> bool:
@@ -91,13 +93,19 @@ def _vllm_structured(value: Any) -> dict[str, Any]:
 
 
 def _checked(field: str, kwargs: dict[str, Any]) -> StructuredOutputsParams:
-    if "json" in kwargs:
-        kwargs["json"] = _checked_schema(field, kwargs["json"])
     try:
+        if "json" in kwargs:
+            kwargs["json"] = _checked_schema(field, kwargs["json"])
         spec = StructuredOutputsParams(**kwargs)
+        size = len(json.dumps(spec.key()))
+        if size > MAX_SPEC_CHARS:
+            raise bad_request(f"{field}: the constraint is too large ({size} characters; at "
+                              f"most {MAX_SPEC_CHARS})", param=field)
         build_grammar(spec)
     except InvalidParameter as e:
         raise bad_request(f"{field}: {e}", param=field) from None
+    except RecursionError:
+        raise bad_request(f"{field}: the constraint is nested too deeply", param=field) from None
     return spec
 
 

@@ -19,7 +19,9 @@ from typing import Any
 
 import jsonschema
 
+from deepinfer.sampling_params import InvalidParameter
 from deepinfer.server.errors import bad_request
+from deepinfer.structured.grammars import build_grammar
 from deepinfer.server.tool_parsers import JsonArrayToolParser, ToolParser
 from deepinfer.structured.params import StructuredOutputsParams, canonical_schema
 
@@ -61,7 +63,7 @@ def plan_tools(request, auto_parser: ToolParser | None) -> ToolPlan:
         if not parallel:
             calls["maxItems"] = 1
         return ToolPlan("required", tools, parser=JsonArrayToolParser(), parallel=parallel,
-                        structured=StructuredOutputsParams(json=canonical_schema(calls)))
+                        structured=_grammar_of(calls))
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -69,10 +71,21 @@ def plan_tools(request, auto_parser: ToolParser | None) -> ToolPlan:
         if tool is None:
             raise bad_request(f"tool_choice names a function that is not in tools: "
                               f"{str(name)[:64]!r}", param="tool_choice")
-        return ToolPlan("named", tools, named=name, parallel=parallel, structured=
-                        StructuredOutputsParams(json=canonical_schema(_parameters(tool))))
+        return ToolPlan("named", tools, named=name, parallel=parallel,
+                        structured=_grammar_of(_parameters(tool)))
     raise bad_request('tool_choice must be "none", "auto", "required" or '
                       '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+
+
+def _grammar_of(schema: dict) -> StructuredOutputsParams:
+    """The constraint for a tools schema; 400 naming `tools` if the grammar cannot be built."""
+    try:
+        spec = StructuredOutputsParams(json=canonical_schema(schema))
+        build_grammar(spec)
+    except (InvalidParameter, RecursionError) as e:
+        raise bad_request(f"tools: cannot enforce the tool call schema: {e}"[:600],
+                          param="tools") from None
+    return spec
 
 
 def _parameters(tool: dict) -> dict:
@@ -105,6 +118,9 @@ def _checked_tools(tools: list[dict] | None) -> list[dict]:
             except jsonschema.SchemaError as e:
                 raise bad_request(f"{where}.function.parameters is not a valid JSON schema: "
                                   f"{e.message[:300]}", param="tools") from None
+            except RecursionError:
+                raise bad_request(f"{where}.function.parameters is nested too deeply",
+                                  param="tools") from None
         if "description" in fn and not isinstance(fn["description"], str):
             raise bad_request(f"{where}.function.description must be a string", param="tools")
     return [{"type": "function", "function": t["function"]} for t in tools or []]

@@ -91,3 +91,15 @@ def test_params_cross_the_engine_boundary():
 def test_params_hold_exactly_one_constraint(kwargs):
     with pytest.raises(InvalidParameter):
         StructuredOutputsParams(**kwargs)
+
+
+def test_hostile_sizes_are_400s(prepare):
+    deep: dict = {"type": "object"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    for fields, param in (({"guided_json": deep}, "guided_json"),
+                          ({"guided_regex": "a" * 70000}, "guided_regex"),
+                          ({"guided_choice": ["x" * 1000] * 100}, "guided_choice")):
+        with pytest.raises(APIError) as info:
+            prepare(**fields)
+        assert info.value.status_code == 400 and info.value.info.param == param
