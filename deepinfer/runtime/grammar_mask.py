@@ -19,7 +19,7 @@ from deepinfer.core.scheduler_output import ScheduledRequest
 from deepinfer.engine.step_faults import RequestFault
 from deepinfer.structured.grammars import GrammarCache
 
-# Rollback window: at least the drafts of one verification; past it, the matcher is rebuilt.
+# Past this many tokens to undo, rebuilding the matcher and replaying the output is cheaper.
 MAX_ROLLBACK_TOKENS = 64
 
 
@@ -102,8 +102,7 @@ class GrammarMasker:
             compiled = self.cache.get(spec)
         except ValueError as e:  # checked when the request was added; not this step's fault
             raise RequestFault([r.request_id], str(e)) from None
-        tracked = _Tracked(spec.key(), xgr.GrammarMatcher(
-            compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
+        tracked = _Tracked(spec.key(), xgr.GrammarMatcher(compiled))  # rollback is unlimited
         self._tracked[r.request_id] = tracked
         return tracked
 
