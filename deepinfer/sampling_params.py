@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from deepinfer.structured.params import StructuredOutputsParams
+
 MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
 MIN_TOP_P = 1e-7  # smaller top_p keeps just the top token, as this does
 # What a request's logprobs report, engine-wide (vLLM's --logprobs-mode; the first is the
@@ -70,6 +72,8 @@ class SamplingParams:
     # it. The engine tokenizes the words into `bad_words_token_ids` (`resolve_bad_words`).
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # Constrained decoding (JSON schema, regex, choice, EBNF): a grammar masks the logits.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +89,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         # Below these the float32 sampler would divide into inf/nan; the results are the same
         # as greedy / keeping only the top token, so map them there (as vLLM does).
@@ -145,9 +151,16 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0 or bool(self.bad_words))
 
     @property
+    def needs_history(self) -> bool:
+        """Whether the sampler needs the tokens before the position (penalties, and a
+        grammar, which it advances over the output)."""
+        return self.uses_history or self.structured_outputs is not None
+
+    @property
     def processes_logits(self) -> bool:
         """Whether any of the logit processing above applies (min_tokens aside)."""
-        return self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (self.uses_history or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
 
 def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:

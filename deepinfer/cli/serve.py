@@ -19,6 +19,7 @@ def register(sub) -> None:
     from deepinfer.cli.engine_args import add_parallel_args
     from deepinfer.cluster.cluster_args import add_cluster_args
     from deepinfer.multimodal.media_args import add_media_args
+    from deepinfer.server.chat_options import add_chat_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     create_groups(p)  # topic order in --help, whichever module adds its flags first
@@ -48,6 +49,7 @@ def register(sub) -> None:
     add_cluster_args(p)
     add_parallel_args(p)
     add_media_args(p)
+    add_chat_args(p)
     p.set_defaults(func=_run)
 
 
@@ -133,10 +135,12 @@ def _run(args) -> int:
         raise CLIError(str(e)) from None
     from deepinfer.multimodal.media_args import media_policy_from_args
     from deepinfer.multimodal.processor import vision_language_checkpoint
+    from deepinfer.server.chat_options import chat_options_from_args
     try:
         from deepinfer.server.limit_args import limits_from_args
         limits = limits_from_args(args)
         media_policy = media_policy_from_args(args)
+        chat_options = chat_options_from_args(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -147,7 +151,7 @@ def _run(args) -> int:
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
                           mm_model_path=vision_language_checkpoint(engine_config.model),
-                          media_policy=media_policy)
+                          media_policy=media_policy, chat_options=chat_options)
     if args.demo:
         def on_ready(host: str, port: int) -> None:
             try:

@@ -281,7 +281,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             num_draft_tokens=num_drafts,
             history_token_ids=list(request.all_token_ids)
-            if sample and request.sampling_params.uses_history else None,
+            if sample and request.sampling_params.needs_history else None,
             prompt_logprob_token_ids=self._prompt_logprob_targets(request, start, num_known),
         )
 

@@ -20,11 +20,13 @@ from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describ
 from deepinfer.quant.quantized_model import weight_bytes_by_format
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
+from deepinfer.runtime.grammar_mask import GrammarMasker
 from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
 from deepinfer.sampling_params import InvalidParameter, SamplingParams, resolve_bad_words
+from deepinfer.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,10 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        # Structured outputs: grammars compiled against this vocabulary (on first use).
+        self.grammar_cache = GrammarCache(self.tokenizer, self.model_config.vocab_size,
+                                          list(self.eos_token_ids))
+        self.runner.sampler.grammar = GrammarMasker(self.grammar_cache)
         self._states: dict[str, RequestState] = {}
         self._child_parent: dict[str, str] = {}
         self._num_steps = 0
@@ -173,6 +179,7 @@ class LLMEngine:
         images = self._check_images(prompt_token_ids, mm_inputs)
         params = resolve_bad_words(params, self.tokenizer)
         self._validate_token_ids(params)
+        self._check_grammar(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
@@ -247,6 +254,12 @@ class LLMEngine:
                                    "sample before min_tokens (every allowed id is EOS or a stop "
                                    "token id)")
 
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile (and cache) the request's grammar now: a spec xgrammar cannot compile is
+        the request's error (InvalidParameter), not a failure in a later step."""
+        if params.structured_outputs is not None:
+            self.grammar_cache.get(params.structured_outputs)
+
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt
         if params.max_tokens is None:
@@ -279,6 +292,7 @@ class LLMEngine:
         for bad input. Records nothing."""
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
         params = resolve_bad_words(params, self.tokenizer)
+        self._check_grammar(params)
         return prompt_token_ids, self._resolve_max_tokens(params, len(prompt_token_ids))
 
     def adopt_request_state(self, state: RequestState) -> None:

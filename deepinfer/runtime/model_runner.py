@@ -115,6 +115,9 @@ class ModelRunner:
                                         need_mask=self.decode_kernel is None)
 
     def _forget_rows(self, output: SchedulerOutput) -> None:
+        if self.sampler.grammar is not None:  # a preempted request's matcher is rebuilt
+            self.sampler.grammar.forget(output.finished_request_ids)
+            self.sampler.grammar.forget(output.preempted_request_ids)
         if self.input_batch is not None:
             self.input_batch.forget(output.finished_request_ids)
             self.input_batch.forget(output.preempted_request_ids)

@@ -77,12 +77,15 @@ class Sampler:
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self._position_generator = torch.Generator(device=device)  # re-seeded for every row
+        # Structured outputs: a deepinfer.runtime.grammar_mask.GrammarMasker (the engine sets
+        # it), whose token masks apply first in `process_logits`.
+        self.grammar = None
 
     def sample(self, logits: Tensor, requests: list[ScheduledRequest]
                ) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """logits [N, V] float32, one row per request in `requests`."""
         raw = self.keep_raw(logits, requests)
-        self.process_logits(logits, requests)
+        self.process_logits(logits, requests, self.grammar)
         token_list = self.sample_tokens(logits, requests).tolist()
         logprobs = self._logprobs(logits, requests, token_list, raw)
         return token_list, logprobs
@@ -92,7 +95,7 @@ class Sampler:
         """Like `sample`, but rows may share a request (one row per output position): the
         log-probs come back per row (None where the request asks for none)."""
         raw = self.keep_raw(logits, rows)
-        self.process_logits(logits, rows)
+        self.process_logits(logits, rows, self.grammar)
         tokens = self.sample_tokens(logits, rows).tolist()
         return tokens, self.row_logprobs(logits, rows, tokens, None if raw is None else raw.values)
 
@@ -125,11 +128,18 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def process_logits(logits: Tensor, rows: list[ScheduledRequest]) -> None:
-        """In place, before temperature: allowed_token_ids, logit_bias, the min_tokens mask,
-        then the penalties (vLLM's order). Each row is one output position: its penalties
+    def process_logits(logits: Tensor, rows: list[ScheduledRequest], grammar=None) -> None:
+        """In place, before temperature: the structured-output grammar's mask (`grammar`, a
+        GrammarMasker), allowed_token_ids, logit_bias, the min_tokens mask, then the
+        penalties (vLLM's order). Each row is one output position: its penalties
         count the tokens of its own `history_token_ids` (the scheduler's, plus the drafts
         accepted before it in a verification), never a per-step snapshot."""
+        if grammar is not None:
+            grammar.apply(logits, rows)
+        elif any(r.sampling_params.structured_outputs is not None for r in rows):
+            raise RequestFault(sorted({r.request_id for r in rows
+                                       if r.sampling_params.structured_outputs is not None}),
+                               "structured outputs are not available in this engine")
         if any(r.sampling_params.processes_logits for r in rows):
             for i, r in enumerate(rows):
                 if r.sampling_params.processes_logits:
@@ -241,7 +251,8 @@ def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:
     culprits = sorted({rows[i].request_id for i, e in zip(masked, empty) if e})
     if culprits:
         raise RequestFault(culprits, "every token is excluded by this request's sampling "
-                           "options (allowed_token_ids, bad_words, min_tokens): nothing to sample")
+                           "options (structured outputs, allowed_token_ids, bad_words, "
+                           "min_tokens): nothing to sample")
 
 
 def apply_logit_processing(row: Tensor, r: ScheduledRequest) -> None:

@@ -55,6 +55,7 @@ class ServerConfig:
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
     mm_model_path: str | None = None
     media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
+    chat_options: Any = None  # deepinfer.server.chat_options.ChatOptions; None = defaults
 
 
 class _ClientDisconnected(Exception):
@@ -144,6 +145,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     gate = AdmissionGate(config.max_waiting_requests, lambda: client.num_waiting_requests)
     completion = OpenAIServingCompletion(client, metrics, served_names, gate)
     chat = OpenAIServingChat(client, metrics, served_names, gate)
+    if config.chat_options is not None:
+        chat.configure(config.chat_options)
     if config.mm_model_path:
         from deepinfer.multimodal.image_input import MediaPolicy
         from deepinfer.multimodal.processor import MultiModalProcessor

@@ -67,16 +67,14 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM sampling extensions
     "prompt_logprobs": _OFF, "use_beam_search": _OFF,
     "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
-    "logits_processors": _OFF, "structured_outputs": _OFF, "guided_json": _OFF,
-    "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF,
-    "guided_whitespace_pattern": _OFF, "guided_decoding_backend": _OFF,
+    "logits_processors": _OFF, "guided_whitespace_pattern": _OFF, "guided_decoding_backend": _OFF,
     "allowed_token_ids_per_position": _OFF, "prompt_embeds": _OFF, "priority": (None, 0),
     "mm_processor_kwargs": _OFF, "vllm_xargs": _OFF, "kv_transfer_params": _OFF,
     "min_p_per_token": _OFF, "detokenize": (None, True), "lora_request": _OFF,
     # chat (OpenAI and vLLM)
-    "tool_choice": (None, "none", "auto"), "functions": _OFF, "function_call": (None, "none", "auto"),
+    "functions": _OFF, "function_call": (None, "none", "auto"),
     "audio": _OFF, "modalities": (None, ["text"]), "chat_template": _OFF,
-    "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
+    "documents": _OFF,
     "echo": _OFF, "add_special_tokens": (None, False),
 }
 # (A request's declared fields never reach this table: completions' `echo`,
@@ -116,6 +114,14 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # Structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --- /v1/completions ---------------------------------------------------------------------------
@@ -130,7 +136,6 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -203,8 +208,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Tool calling (server/tool_calling.py); tool_choice: "none" | "auto" | "required" |
+    # {"type": "function", "function": {"name": ...}}
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # Continue the last (assistant) message instead of opening a new turn (vLLM); DeepSeek's
+    # spelling is `"prefix": true` on that message.
+    continue_final_message: bool = False
 
 
 class ChatTopLogprob(BaseModel):
@@ -221,9 +233,34 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -248,6 +285,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -22,6 +22,7 @@ from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, UsageInfo
+from deepinfer.server.structured_request import structured_outputs_for
 
 logger = logging.getLogger(__name__)
 # Unknown request fields already logged (once per name per process: clients send the same
@@ -207,9 +208,6 @@ class OpenAIServing:
             if options.continuous_usage_stats:
                 raise bad_request("stream_options.continuous_usage_stats is not supported",
                                   param="stream_options", code="unsupported_parameter")
-        if request.response_format and request.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported",
-                              param="response_format", code="unsupported_parameter")
 
     def truncate_prompt(self, request, prompt: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: the context)."""
@@ -292,7 +290,8 @@ class OpenAIServing:
                 repetition_penalty=1.0 if request.repetition_penalty is None
                 else request.repetition_penalty,
                 logit_bias=logit_bias, allowed_token_ids=allowed,
-                bad_words=request.bad_words or [])
+                bad_words=request.bad_words or [],
+                structured_outputs=structured_outputs_for(request))
         except InvalidParameter as e:
             raise bad_request(str(e), param=self.request_param(request, e.param)) from None
 

@@ -2,26 +2,33 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from deepinfer.server.chat_output import ChatOutputParser
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChatTokenLogprob,
+    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatTokenLogprob,
     CHAT_ROLES, ChatTopLogprob, DeltaMessage, random_id,
 )
+from deepinfer.server.reasoning_parsers import REASONING_PARSERS
 from deepinfer.server.serving_base import (
     SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, json_logprob, make_usage,
     sse_event,
 )
+from deepinfer.server.structured_request import asks_structured_output
+from deepinfer.server.tool_calling import ToolPlan, message_tool_fields, plan_tools, template_renders
+from deepinfer.server.tool_parsers import get_tool_parser
 
 _ROLES = CHAT_ROLES
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Plain {role, content: str} dicts for the chat template; 400 on anything else.
-    Content given as a list of parts keeps its text parts, joined by newlines (as vLLM)."""
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """{role, content: str} dicts for the chat template (with an assistant's tool_calls and a
+    tool result's tool_call_id); 400 on anything else. Content given as a list of parts keeps
+    its text parts, joined by newlines (as vLLM)."""
     out = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
@@ -41,16 +48,56 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of parts",
                               param=f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content,
+                    **message_tool_fields(i, message)})
     return out
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, str]],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Render with the tokenizer's template, then tokenize without adding special tokens
-    again (the template already holds them)."""
+# Template variables a request's chat_template_kwargs may not set (the server sets them).
+_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "tokenize",
+                           "chat_template", "continue_final_message", "return_dict"}
+
+
+def continues_final_message(request) -> bool:
+    """Whether the prompt ends inside the last message, which the model continues: vLLM's
+    continue_final_message, or DeepSeek's `"prefix": true` on a final assistant message.
+    400 for a prefix anywhere else, or with add_generation_prompt set explicitly."""
+    messages = request.messages
+    for i, message in enumerate(messages):
+        if message.get("prefix") not in (None, False):
+            if i != len(messages) - 1 or message.get("role") != "assistant" \
+                    or message.get("prefix") is not True:
+                raise bad_request("prefix: true is allowed on the last message only, an "
+                                  "assistant message", param=f"messages[{i}].prefix")
+    continues = request.continue_final_message or messages[-1].get("prefix") is True
+    if continues:
+        if messages[-1].get("role") != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message",
+                              param="continue_final_message")
+        if request.add_generation_prompt and "add_generation_prompt" in request.model_fields_set:
+            raise bad_request("continue_final_message and add_generation_prompt exclude each "
+                              "other", param="add_generation_prompt")
+    return continues
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+                        chat_template: str | None = None,
+                        template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> list[int]:
+    """Render with the template (the tokenizer's, or `chat_template`), then tokenize without
+    adding special tokens again (the template already holds them). `continue_final_message`:
+    the rendering stops right after the last message's content (transformers cuts it there)."""
+    extra = dict(template_kwargs or {})
+    if continue_final_message:
+        extra["continue_final_message"] = True
+        add_generation_prompt = False
+    if tools is not None:
+        extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -66,6 +113,54 @@ class OpenAIServingChat(OpenAIServing):
     # operator's MediaPolicy, set by `enable_images`; None = image parts are refused.
     mm_processor = None
     media_policy = None
+    # Server-wide chat options (`configure`): template override and parsers.
+    chat_template: str | None = None
+    auto_tool_parser = None  # a ToolParser when --enable-auto-tool-choice
+    reasoning_parser = None  # a ThinkReasoningParser
+
+    def configure(self, options) -> None:
+        """Apply a deepinfer.server.chat_options.ChatOptions."""
+        self.chat_template = options.chat_template
+        if options.enable_auto_tool_choice:
+            self.auto_tool_parser = get_tool_parser(options.tool_call_parser)
+        if options.reasoning_parser:
+            self.reasoning_parser = REASONING_PARSERS[options.reasoning_parser]
+
+    def _tool_plan(self, request: ChatCompletionRequest) -> ToolPlan:
+        return plan_tools(request, self.auto_tool_parser)
+
+    def _output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser:
+        """How choices become messages. A grammar constrains the output from its first token,
+        so a constrained output has no reasoning to split off."""
+        plan = self._tool_plan(request)
+        constrained = plan.structured is not None or asks_structured_output(request)
+        return ChatOutputParser(plan, None if constrained else self.reasoning_parser)
+
+    def _render(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        """The prompt; 400 where the template would drop the tools or tool calls."""
+        messages = normalize_messages(request.messages)
+        tokenizer = self.client.tokenizer
+        if plan.tools and not template_renders(tokenizer, self.chat_template, "tools"):
+            raise bad_request(f"The chat template of {self.model_name} does not render tools; "
+                              "serve it with --chat-template FILE (a template that does)",
+                              param="tools", code="unsupported_parameter")
+        if any("tool_calls" in m for m in messages) \
+                and not template_renders(tokenizer, self.chat_template, "tool_calls"):
+            raise bad_request(f"The chat template of {self.model_name} does not render tool "
+                              "calls; serve it with --chat-template FILE (a template that does)",
+                              param="messages", code="unsupported_parameter")
+        kwargs = request.chat_template_kwargs or {}
+        reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+        continues = continues_final_message(request)
+        try:
+            return apply_chat_template(tokenizer, messages, request.add_generation_prompt,
+                                       tools=plan.tools, chat_template=self.chat_template,
+                                       template_kwargs=kwargs, continue_final_message=continues)
+        except Exception as e:  # template errors are the caller's messages' fault
+            raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
 
     def enable_images(self, processor, policy) -> None:
         self.mm_processor, self.media_policy = processor, policy
@@ -103,19 +198,14 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, request: ChatCompletionRequest, prompt: list[int] | None = None):
         self.check_model(request.model)
         self.reject_unsupported(request)
-        if request.tools:
-            raise bad_request("tools are not supported", param="tools",
-                              code="unsupported_parameter")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        plan = self._tool_plan(request)
         if prompt is None:
-            messages = normalize_messages(request.messages)
-            try:
-                prompt = apply_chat_template(self.client.tokenizer, messages,
-                                             request.add_generation_prompt)
-            except Exception as e:  # template errors are the caller's messages' fault
-                raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
-            prompt = self.truncate_prompt(request, prompt)
+            prompt = self.truncate_prompt(request, self._render(request, plan))
+        elif plan.tools:
+            raise bad_request("tools are not supported with images", param="tools",
+                              code="unsupported_parameter")
         elif request.truncate_prompt_tokens is not None:  # would cut image tokens
             raise bad_request("truncate_prompt_tokens is not supported with images",
                               param="truncate_prompt_tokens", code="unsupported_parameter")
@@ -123,6 +213,11 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.make_sampling_params(request, self.resolve_max_tokens(len(prompt),
                                                                             max_tokens), logprobs)
+        if plan.structured is not None:  # tool_choice required / named: the calls' grammar
+            if params.structured_outputs is not None:
+                raise bad_request(f"tool_choice {plan.mode} cannot be combined with another "
+                                  "structured output constraint", param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=plan.structured)
         return prompt, params, self.admit(1)
 
     async def create(self, request: ChatCompletionRequest):
@@ -151,12 +246,15 @@ class OpenAIServingChat(OpenAIServing):
                 pass
         finally:
             admission.release()
-        choices = [ChatCompletionChoice(
-            index=c.index, message=ChatMessage(role="assistant", content=c.text),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            logprobs=self._logprobs(c.logprobs) if request.logprobs else None,
-            token_ids=c.token_ids if request.return_token_ids else None)
-            for c in state.choices]
+        output = self._output_parser(request)
+        choices = []
+        for c in state.choices:
+            message, finish_reason = output.message(c.text, c.finish_reason)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=message, finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=self._logprobs(c.logprobs) if request.logprobs else None,
+                token_ids=c.token_ids if request.return_token_ids else None))
         return ChatCompletionResponse(
             id=response_id, model=self.model_name, choices=choices, usage=make_usage([state]),
             prompt_token_ids=prompt if request.return_token_ids else None)
@@ -181,6 +279,8 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_token_ids=prompt_token_ids))
 
         cursors = [StreamCursor() for _ in range(request.n)]
+        output = self._output_parser(request)
+        streamers = None if output.is_plain else [output.streamer() for _ in range(request.n)]
         state = None
         try:
             first = True
@@ -195,12 +295,23 @@ class OpenAIServingChat(OpenAIServing):
                     new = cursors[choice.index].advance(choice)
                     if new is None:
                         continue
-                    delta = DeltaMessage(content=choice.text[new.char_start:])
+                    finish_reason = choice.finish_reason
+                    if streamers is None:
+                        delta = DeltaMessage(content=choice.text[new.char_start:])
+                    else:
+                        streamer = streamers[choice.index]
+                        delta = streamer.update(choice.text, finish_reason is not None)
+                        if delta is None:
+                            if finish_reason is None and not request.logprobs:
+                                continue
+                            delta = DeltaMessage()
+                        if streamer.called_tools and finish_reason == "stop":
+                            finish_reason = "tool_calls"
                     yield chunk([ChatCompletionStreamChoice(
                         index=choice.index, delta=delta,
                         logprobs=self._logprobs(choice.logprobs[new.token_start:])
                         if request.logprobs else None,
-                        finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                        finish_reason=finish_reason, stop_reason=choice.stop_reason,
                         token_ids=choice.token_ids[new.token_start:]
                         if request.return_token_ids else None)])
             if request.stream_options and request.stream_options.include_usage:

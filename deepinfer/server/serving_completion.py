@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.fim import fim_prompt
 from deepinfer.server.prompt_tokens import encode_within_context
 from deepinfer.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob,
@@ -63,6 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise bad_request("The prompt is empty", param="prompt")
+        if request.suffix:
+            return [self.truncate_prompt(request, p) for p in self._fim_prompts(request, prompt)]
         if isinstance(prompt[0], int):
             prompt = [prompt]
         tokenized = []
@@ -76,14 +79,21 @@ class OpenAIServingCompletion(OpenAIServing):
                 tokenized.append(list(p))
         return [self.truncate_prompt(request, p) for p in tokenized]
 
+    def _fim_prompts(self, request: CompletionRequest, prompts: list) -> list[list[int]]:
+        if not all(isinstance(p, str) for p in prompts):
+            raise bad_request("suffix needs text prompts", param="suffix")
+        try:
+            return [fim_prompt(self.client.tokenizer, p, request.suffix,
+                               request.add_special_tokens) for p in prompts]
+        except ValueError as e:
+            raise bad_request(f"{e} ({self.model_name})", param="suffix",
+                              code="unsupported_parameter") from None
+
     def _prepare(self, request: CompletionRequest):
         self.check_model(request.model)
         self.reject_unsupported(request)
         if request.echo:
             raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
-        if request.suffix:
-            raise bad_request("suffix is not supported", param="suffix",
-                              code="unsupported_parameter")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of other than n is not supported", param="best_of",
                               code="unsupported_parameter")

@@ -64,7 +64,7 @@ class SpecVerifier:
         index = torch.tensor(flat_rows, dtype=torch.long, device=hidden.device)
         logits = model.compute_logits(hidden[index])  # [R, vocab] fp32
         raw = self.sampler.keep_raw(logits, rows)  # raw logprobs modes: before processing
-        self.sampler.process_logits(logits, rows)
+        self.sampler.process_logits(logits, rows, self.sampler.grammar)
         tokens = self._sample(logits, rows, groups)
         lp_rows = [g.first_row + j for g in groups for j in range(len(tokens[id(g)]))]
         lp_reqs = [rows[i] for i in lp_rows]

@@ -140,18 +140,15 @@ def test_bad_values_name_the_field(completion, fields, param):
 UNSUPPORTED_BOTH = [
     ("use_beam_search", True),
     ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
-    ("logits_processors", ["x"]), ("priority", 5), ("response_format", {"type": "json_object"}),
+    ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "outlines"),
+    ("logits_processors", ["x"]), ("priority", 5),
 ]
 UNSUPPORTED_CHAT = [
-    ("tool_choice", "required"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("functions", [{"name": "f"}]), ("chat_template", "{{ x }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("continue_final_message", True),
     ("echo", True), ("add_special_tokens", True), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "x"}), ("prompt_logprobs", 1),
 ]
-UNSUPPORTED_COMPLETION = [("echo", True), ("suffix", "end"), ("best_of", 3)]
+UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3)]
 
 
 @pytest.mark.parametrize("name,value", UNSUPPORTED_BOTH + UNSUPPORTED_CHAT,

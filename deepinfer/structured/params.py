@@ -1,0 +1,66 @@
+"""What a request constrains its output to (vLLM's StructuredOutputsParams). Pure: no torch.
+
+Exactly one constraint is set. A JSON schema travels as canonical JSON text (sorted keys), so
+the params cross the engine boundary as plain msgspec data and two requests with the same
+schema share one compiled grammar (`key`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: str | None = None  # a JSON schema, as canonical JSON text (`canonical_schema`)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect, which reads GBNF)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)) or (isinstance(self.json, str) and self.json.strip()):
+            try:
+                self.json = canonical_schema(self.json)
+            except ValueError:
+                from deepinfer.sampling_params import InvalidParameter
+                raise InvalidParameter("structured_outputs",
+                                       "json must be a JSON schema (JSON text or an object)") from None
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        self._validate()
+
+    def _validate(self) -> None:
+        from deepinfer.sampling_params import InvalidParameter  # (it imports this module)
+
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidParameter("structured_outputs", "structured outputs take exactly one of "
+                                   f"{', '.join(KINDS)} (got {', '.join(set_kinds) or 'none'})")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameter("structured_outputs",
+                                   "choice must be a non-empty list of non-empty strings")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidParameter("structured_outputs", f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """Hashable identity of the constraint (the compiled-grammar cache key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return (kind, tuple(value) if isinstance(value, list) else value)
+
+
+def canonical_schema(schema) -> str:
+    """A schema (dict, or JSON text) as sorted-key JSON text; ValueError if it is not JSON."""
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
