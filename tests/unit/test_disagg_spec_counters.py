@@ -27,7 +27,7 @@ def cluster(*counters: WorkerCounters) -> SimpleNamespace:
     report = WorkerLoadReport(0, 0, 0, 0, 100, 16, 0, 8)
     handles = {f"w{i}": SimpleNamespace(alive=True, last_report=report, counters=c)
                for i, c in enumerate(counters)}
-    return SimpleNamespace(workers=handles)
+    return SimpleNamespace(workers=handles, encode_stage=None)  # no encode workers
 
 
 def test_decode_workers_spec_counters_are_summed_on_the_front():
