@@ -130,3 +130,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(library, isa):
         alone = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(13)])
         for m in (2, 3, 4, 5, 8, 13):
             assert torch.equal(kernel.dots_f32(x[:m], weight), alone[:m]), (fmt, m)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_float32_rows_are_exact_and_independent_of_the_batch(library, isa):
+    """The float32 (exact) path tiles weight rows and pairs input rows: each row's output is
+    bit-identical alone or among others (odd counts, partial tiles, a K with a tail), and equals
+    x @ dequantize(W).T up to float32 summation order."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(12)
+    for fmt, rows, cols in [("q4_1", 37, 576), ("q6_k", 21, 512), (INT8, 19, 1003),
+                            (FP8_BLOCK, 35, 1000)]:
+        weight = random_blocks(fmt, rows, cols, gen)
+        x = torch.randn(23, cols, generator=gen)
+        alone = torch.cat([kernel.linear(x[i:i + 1], weight, None) for i in range(23)])
+        for m in (2, 3, 7, 23):
+            assert torch.equal(kernel.linear(x[:m], weight, None), alone[:m]), (fmt, m)
+        want = x.double() @ weight.dequantize(torch.float32).double().T
+        assert torch.allclose(alone.double(), want, rtol=1e-5, atol=1e-4), fmt

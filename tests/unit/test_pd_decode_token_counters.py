@@ -93,7 +93,8 @@ def token(request_id: str, finished: bool = False) -> RequestDelta:
 def worker(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(decode_worker, "time", clock)
-    spec = SimpleNamespace(transfer_timeout_s=10.0, debug_transfer_delay_s=0.0, kv_store_url=None)
+    spec = SimpleNamespace(transfer_timeout_s=10.0, debug_transfer_delay_s=0.0, kv_store_url=None,
+                           input_addr="inproc://decode-in", output_addr="inproc://decode-out")
     loop = DecodeWorkerLoop(spec, FakeEngine(clock), None, None, FakeTransport())
     loop.tracker = IdentityTracker()
     return loop, clock

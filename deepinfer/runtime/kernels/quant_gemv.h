@@ -78,6 +78,66 @@ static inline float f32_dot(const float *restrict w, const float *restrict x, in
 #endif
 }
 
+#if defined(HAVE_QUANT_AVX2) && !defined(HAVE_QUANT_AVX512)
+/* AVX2: dots of 4 weight rows with 2 input rows at once (8 FMA chains hide the FMA latency; one
+ * chain per dot stalls on it). Each dot is one 8-lane chain over whole vectors, summed by hsum8,
+ * then its tail in order: the same bits whichever rows are computed beside it. */
+static inline void f32_dots_4x2(const float *const wr[4], const float *x0, const float *x1,
+                                int K, float out[2][4]) {
+    __m256 a[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 wv = _mm256_loadu_ps(wr[j] + k);
+            a[0][j] = _mm256_fmadd_ps(wv, v0, a[0][j]);
+            a[1][j] = _mm256_fmadd_ps(wv, v1, a[1][j]);
+        }
+    }
+    const float *xs[2] = {x0, x1};
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            float s = hsum8(a[i][j]);
+            for (int t = k; t < K; t++) s = __builtin_fmaf(wr[j][t], xs[i][t], s);
+            out[i][j] = s;
+        }
+}
+#endif
+
+/* Float32 inputs: weight rows [n0, n1) dequantized QTILE_N at a time into `wtile`
+ * (QTILE_N * K floats), each tile dotted with every input row, so an input row is read from
+ * memory once per tile rather than once per weight row. */
+static void qgemv_rows_f32(const qweight *w, const qinput *in, const qoutput *o, int n0, int n1,
+                           float *wtile) {
+    const int M = in->M, K = in->K;
+    for (int nt = n0; nt < n1; nt += QTILE_N) {
+        const int nn = n1 - nt < QTILE_N ? n1 - nt : QTILE_N;
+        for (int j = 0; j < nn; j++) dequant_row_f32(w, nt + j, wtile + (int64_t)j * K);
+#if defined(HAVE_QUANT_AVX2) && !defined(HAVE_QUANT_AVX512)
+        for (int m = 0; m < M; m += 2) {
+            const float *x0 = in->x32 + m * in->ldx, *x1 = m + 1 < M ? x0 + in->ldx : x0;
+            for (int j = 0; j < nn; j += 4) {
+                const float *wr[4];
+                for (int t = 0; t < 4; t++)
+                    wr[t] = wtile + (int64_t)(j + t < nn ? j + t : nn - 1) * K;
+                float d[2][4];
+                f32_dots_4x2(wr, x0, x1, K, d);
+                for (int t = 0; t < 4 && j + t < nn; t++) {
+                    qstore(o, m, nt + j + t, d[0][t]);
+                    if (m + 1 < M) qstore(o, m + 1, nt + j + t, d[1][t]);
+                }
+            }
+        }
+#else
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < nn; j++)
+                qstore(o, m, nt + j, f32_dot(wtile + (int64_t)j * K, in->x32 + m * in->ldx, K));
+#endif
+    }
+}
+
 /* Dots of weight row n with input rows [m0, m0 + mm), mm <= QACT_MAX_M (bf16 inputs). */
 static inline void qrow_dots(const qweight *w, int64_t n, const qinput *in, int m0, int mm,
                              float *dots) {
@@ -97,16 +157,13 @@ static inline void qrow_dots(const qweight *w, int64_t n, const qinput *in, int 
     scalar_rows(w, n, a, m0, dots, mm);
 }
 
-/* Rows [n0, n1) of `w` for every input row. `wrow` is K floats of scratch for the float32
- * path (NULL for bf16 inputs). */
+/* Rows [n0, n1) of `w` for every input row. `wtile` is QTILE_N * K floats of scratch for
+ * the float32 path (NULL for bf16 inputs). */
 static void qgemv_rows(const qweight *w, const qinput *in, const qoutput *o, int n0, int n1,
-                       float *wrow) {
+                       float *wtile) {
     const int M = in->M;
     if (in->x32) {
-        for (int n = n0; n < n1; n++) {
-            dequant_row_f32(w, n, wrow);
-            for (int m = 0; m < M; m++) qstore(o, m, n, f32_dot(wrow, in->x32 + m * in->ldx, in->K));
-        }
+        qgemv_rows_f32(w, in, o, n0, n1, wtile);
         return;
     }
     for (int nt = n0; nt < n1; nt += QTILE_N) {

@@ -44,7 +44,7 @@ int quant_linear(const int64_t *desc, int isa, const void *x, int x_f32, int64_t
                 act_prepare_row(&act, m, (const uint16_t *)x + (int64_t)m * ldx, 0);
             _Pragma("omp barrier")
         }
-        float *wrow = x_f32 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+        float *wrow = x_f32 ? (float *)malloc(sizeof(float) * (size_t)K * QTILE_N) : NULL;
         if (x_f32 && !wrow) {
             _Pragma("omp atomic write")
             failed = 2;
