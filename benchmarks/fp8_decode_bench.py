@@ -20,18 +20,16 @@ time); best and median over `--rounds` alternating rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.integration helpers
+from bench_report import BenchReport  # noqa: E402
 
 
 def write_checkpoints(root: str, args) -> tuple[str, str]:
@@ -98,7 +96,7 @@ def main() -> None:
     from deepinfer import LLM
     from deepinfer.quant.quantized_model import weight_bytes_by_format
 
-    load_start = os.getloadavg()
+    bench = BenchReport()
     with tempfile.TemporaryDirectory(prefix="fp8-bench-") as root:
         fp8_dir, bf16_dir = write_checkpoints(root, args)
         sizes = {k: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
@@ -125,12 +123,7 @@ def main() -> None:
     report = {"shape": vars(args), "checkpoint_bytes": sizes, "resident_weight_bytes": resident,
               "decode_tok_s": rates,
               "best": {k: max(v) for k, v in rates.items()},
-              "median": {k: statistics.median(v) for k, v in rates.items()},
-              "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                          "platform": platform.platform(), "torch": torch.__version__},
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "loadavg_start": load_start}
-    report["loadavg_end"] = os.getloadavg()
+              "median": {k: statistics.median(v) for k, v in rates.items()}}
     for name in variants:
         engine = "fp8" if name.startswith("fp8") else "bf16"
         report[f"{name}_over_bf16_median"] = report["median"][name] / report["median"]["bf16"]
@@ -142,9 +135,7 @@ def main() -> None:
         a, b = (report["median"][n] for n in fp8_names)
         report["after_over_before_median"] = b / a
         print(f"{fp8_names[1]} / {fp8_names[0]}: {b / a:.2f}x")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    bench.finish(report, args.json_path)
 
 
 if __name__ == "__main__":

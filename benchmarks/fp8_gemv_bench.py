@@ -16,14 +16,12 @@ scales are 1/16384 of that).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 
 import torch
 
+from bench_report import BenchReport
 from deepinfer.quant.quantized_weight import FP8_BLOCK, QuantizedWeight
 from deepinfer.runtime.cpu_kernel_build import load_kernel_library
 from deepinfer.runtime.cpu_quant_linear import ISA_CODES, QuantLinearKernel, quant_linear_mismatch
@@ -108,20 +106,13 @@ def main() -> None:
     variants["plain_read"] = (lambda f: f.sum(), reads, fp8_bytes)
     if small is not None:
         variants["bf16_gemv"] = (lambda w: small(x, w, None), bf16, bf16_bytes)
-    load_start = os.getloadavg()
+    report = BenchReport()
     result = {"shape": {"N": n, "K": k, "M": args.batch}, "copies": len(weights),
               "reps": args.reps, "by_threads": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         result["by_threads"][str(threads)] = run_variants(variants, args.reps, list(kernels), threads)
-    result.update(loadavg_start=load_start, loadavg_end=os.getloadavg(),
-                  machine={"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                           "torch": torch.__version__},
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    print(f"load average {load_start} -> {result['loadavg_end']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json)
 
 
 if __name__ == "__main__":

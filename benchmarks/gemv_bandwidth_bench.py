@@ -13,13 +13,12 @@ sweep over all copies; best and median of `--reps` sweeps, variants alternating.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 
+from bench_report import BenchReport
 from deepinfer.runtime.cpu_huge_pages import huge_page_bytes, move_to_huge_pages
 from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
 
@@ -115,17 +114,14 @@ def main() -> None:
     args = ap.parse_args()
     kernel = load_small_batch_linear()
     assert kernel is not None, "the small-batch kernel did not build or failed its self-test"
-    result = {"loadavg_start": os.getloadavg(), "shapes": [], "lm_head": []}
+    report = BenchReport()
+    result = {"shapes": [], "lm_head": []}
     with torch.inference_mode():
         for threads in [int(t) for t in args.threads.split(",")]:
             result["shapes"] += bench_shapes(kernel, threads, args.reps)
             result["lm_head"].append(bench_lm_head(kernel, threads, args.reps))
     result["anon_huge_pages_bytes"] = huge_page_bytes()
-    result["loadavg_end"] = os.getloadavg()
-    print(f"load average {result['loadavg_start']} -> {result['loadavg_end']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json)
 
 
 if __name__ == "__main__":

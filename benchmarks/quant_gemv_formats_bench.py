@@ -10,13 +10,12 @@ bandwidth), M rows of bf16 input, one thread by default; median of `--reps` batc
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 
+from bench_report import BenchReport
 from deepinfer.runtime.cpu_kernel_build import load_kernel_library
 from deepinfer.runtime.cpu_quant_linear import (FORMAT_CODES, ISA_CODES, QuantLinearKernel,
                                                 random_blocks)
@@ -38,7 +37,7 @@ def main() -> None:
         assert kernel.isa_name == name, f"this build has no {name} path"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.rows, 1536, generator=gen).bfloat16()
-    load_start = os.getloadavg()
+    report = BenchReport()
     result: dict = {"rows": args.rows, "threads": args.threads, "formats": {}}
     with torch.inference_mode():
         for fmt in [f for f in FORMAT_CODES if f != "bf16"]:
@@ -55,12 +54,7 @@ def main() -> None:
             row = {name: statistics.median(ts) for name, ts in times.items()}
             result["formats"][fmt] = {"median_us": row, "rounds_us": times}
             print(f"{fmt:10s} " + "  ".join(f"{n} {v:8.0f} us" for n, v in row.items()), flush=True)
-    result.update(loadavg_start=load_start, loadavg_end=os.getloadavg(),
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    print(f"load average {load_start} -> {result['loadavg_end']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json)
 
 
 if __name__ == "__main__":
