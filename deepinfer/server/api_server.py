@@ -34,6 +34,9 @@ from deepinfer.server.prepare_pool import PreparePool
 from deepinfer.server.request_limits import RequestLimits, check_request
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
+from deepinfer.server.serving_tokenize import (
+    DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenize, TokenizeCompletionRequest,
+    TokenizeResponse, parse_tokenize_body)
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +50,6 @@ class ServerConfig:
     admin_api_key: str | None = None  # /admin/* need this key instead of api_key
     metrics_need_api_key: bool = False  # /metrics behind api_key as well
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
-    # False where the engines' store tier does not key blocks by cache_salt yet (disaggregated
-    # prefill workers): a salted request is refused rather than silently shared.
-    accept_cache_salt: bool = True
     log_level: str = "warning"
     engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
@@ -152,7 +152,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         from deepinfer.multimodal.processor import MultiModalProcessor
         policy = config.media_policy or MediaPolicy()
         chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path), policy)
-    completion.prepare_pool = chat.prepare_pool = PreparePool()
+    tokenize = OpenAIServingTokenize(client, metrics, served_names, gate, chat=chat)
+    completion.prepare_pool = chat.prepare_pool = tokenize.prepare_pool = PreparePool()
     limits = config.limits if not config.mm_model_path else dataclasses.replace(
         config.limits, max_images_per_request=policy.limit_per_prompt)
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
@@ -161,7 +162,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     if limits.max_concurrent_requests is not None:
         app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent_requests)
     if config.api_key:
-        prefixes = ("/v1",) + (() if config.admin_api_key else ("/admin",)) \
+        prefixes = ("/v1", "/tokenize", "/detokenize") \
+            + (() if config.admin_api_key else ("/admin",)) \
             + (("/metrics",) if config.metrics_need_api_key else ())
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, prefixes=prefixes)
 
@@ -200,9 +202,6 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             return from_validation_error(e).to_response()
         check_request(request, limits)  # before any tokenizing, fetching or engine work
-        if request.cache_salt is not None and not config.accept_cache_salt:
-            raise APIError(400, "cache_salt is not supported with disaggregated serving yet",
-                           param="cache_salt", code="unsupported_parameter")
         try:
             result = await _until_disconnect(raw_request, serving.create(request))
         except _ClientDisconnected:
@@ -225,11 +224,27 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     async def chat_completions(raw_request: Request) -> Response:
         return await serve(raw_request, ChatCompletionRequest, chat)
 
+    @app.post("/tokenize", openapi_extra=_documented_body(TokenizeCompletionRequest),
+              responses={200: {"model": TokenizeResponse}, **_error_responses()})
+    async def tokenize_route(raw_request: Request) -> Response:
+        request = parse_tokenize_body(await raw_request.body())
+        return JSONResponse((await tokenize.tokenize(request)).model_dump(exclude_none=True))
+
+    @app.post("/detokenize", openapi_extra=_documented_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **_error_responses()})
+    async def detokenize_route(raw_request: Request) -> Response:
+        try:
+            request = DetokenizeRequest.model_validate_json(await raw_request.body())
+        except ValidationError as e:
+            return from_validation_error(e).to_response()
+        return JSONResponse((await tokenize.detokenize(request)).model_dump())
+
     from deepinfer.server.admin_routes import add_admin_routes
     # POST /admin/scale, GET /admin/workers
     add_admin_routes(app, client, config.api_key, config.admin_api_key)
 
-    app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest])
+    app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest,
+                                                     TokenizeCompletionRequest, DetokenizeRequest])
     return app
 
 

@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         constrained = plan.structured is not None or asks_structured_output(request)
         return ChatOutputParser(plan, None if constrained else self.reasoning_parser)
 
-    def _render(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    def render_prompt(self, request: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
         """The prompt; 400 where the template would drop the tools or tool calls."""
         messages = normalize_messages(request.messages)
         tokenizer = self.client.tokenizer
@@ -202,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         plan = self._tool_plan(request)
         if prompt is None:
-            prompt = self.truncate_prompt(request, self._render(request, plan))
+            prompt = self.truncate_prompt(request, self.render_prompt(request, plan))
         elif plan.tools:
             raise bad_request("tools are not supported with images", param="tools",
                               code="unsupported_parameter")

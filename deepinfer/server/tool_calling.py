@@ -40,7 +40,7 @@ class ToolPlan:
 
 def plan_tools(request, auto_parser: ToolParser | None) -> ToolPlan:
     """The request's ToolPlan; 400 for bad tools or a tool_choice this server cannot honour."""
-    tools = _checked_tools(request.tools)
+    tools = checked_tools(request.tools)
     choice = request.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
@@ -92,7 +92,7 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def _checked_tools(tools: list[dict] | None) -> list[dict]:
+def checked_tools(tools: list[dict] | None) -> list[dict]:
     names = set()
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"

@@ -163,6 +163,29 @@ def test_tool_conversation_tokenizes_as_transformers(client, model, default_mode
     assert response.prompt_token_ids == tokenizer.encode(want, add_special_tokens=False)
 
 
+def test_tokenize_gives_the_ids_a_chat_request_is_given(client, server, model):
+    """/tokenize renders the tool conversation exactly as /v1/chat/completions does, and
+    /detokenize gives back the rendered text."""
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    response = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],
+                                              max_tokens=1, temperature=0.0,
+                                              extra_body={"return_token_ids": True})
+    tokenized = httpx.post(f"{server.url}/tokenize", json={
+        "model": model, "messages": messages, "tools": [WEATHER], "return_token_strs": True},
+        timeout=60).json()
+    assert tokenized["tokens"] == response.prompt_token_ids
+    assert tokenized["count"] == response.usage.prompt_tokens == len(tokenized["token_strs"])
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokenized["tokens"]},
+                      timeout=60).json()["prompt"]
+    assert "<tool_call>" in text and "rain" in text
+    plain = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                       timeout=60).json()
+    assert plain["tokens"] == tokenized["tokens"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
