@@ -147,7 +147,6 @@ def _run(args) -> int:
                           max_waiting_requests=args.max_waiting_requests,
                           limits=limits, admin_api_key=args.admin_api_key,
                           metrics_need_api_key=args.metrics_need_api_key,
-                          accept_cache_salt=not (args.prefill_workers or args.decode_workers),
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
                           mm_model_path=vision_language_checkpoint(engine_config.model),

@@ -381,7 +381,8 @@ class DisaggClient:
             request_id=track.request_id, num_prompt_tokens=len(track.prompt_token_ids),
             block_hashes=hash_request_blocks(
                 track.prompt_token_ids, block_size,
-                images=track.mm_inputs.placeholders if track.mm_inputs is not None else ()))
+                images=track.mm_inputs.placeholders if track.mm_inputs is not None else (),
+                cache_salt=track.params.cache_salt))
         loads = [ld for ld in self._loads("prefill") if ld.worker_id != exclude]
         try:
             worker_id = self.prefill_router.route(routing, loads, time.monotonic())

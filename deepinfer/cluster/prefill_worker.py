@@ -119,13 +119,17 @@ class PrefillWorkerLoop(WorkerLoop):
         return bool(self._held)  # staging frees up as decode workers pull; reads finish
 
     # --- store reads, off the engine loop -----------------------------------------------------
+    def _usable_hashes(self, message: PrefillRequest) -> list[bytes]:
+        return self.tier.usable_hashes(message.prompt_token_ids, image_spans(message),
+                                       message.sampling_params.cache_salt)
+
     def _start_prefetch(self, message: PrefillRequest) -> None:
         """Read the prompt's stored blocks (after its device-cached head) while it queues,
         if loading is predicted to beat recomputing them."""
         if self.tier is None:
             return
         bs = self.engine.config.block_size
-        hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
+        hashes = self._usable_hashes(message)
         num_device = self.tier.num_device_blocks(hashes)
         wanted = hashes[num_device:]
         if not wanted:
@@ -199,10 +203,9 @@ class PrefillWorkerLoop(WorkerLoop):
         if not payloads:
             return 0, 0
         fetched = dict(zip(job.block_hashes, payloads))
-        load = self.tier.load_fetched(self.tier.usable_hashes(message.prompt_token_ids,
-                                                              image_spans(message)), fetched)
+        load = self.tier.load_fetched(self._usable_hashes(message), fetched)
         tiers = dict(zip(job.block_hashes, tiers))
-        hashes = self.tier.usable_hashes(message.prompt_token_ids, image_spans(message))
+        hashes = self._usable_hashes(message)
         loaded = hashes[load.num_device_blocks:load.num_device_blocks + load.num_store_blocks]
         num_host = sum(1 for h in loaded if tiers.get(h) == HOST_TIER)
         if job.num_await_blocks and job.waited_s > 0:  # not when they were there already
@@ -239,7 +242,8 @@ class PrefillWorkerLoop(WorkerLoop):
             self.emit_error(message.request_id, str(exc), getattr(exc, "param", None))
             return False
         self.tracker.add_request(message.request_id, message.sampling_params)
-        hashes = (self.tier.block_hashes(message.prompt_token_ids, image_spans(message))
+        hashes = (self.tier.block_hashes(message.prompt_token_ids, image_spans(message),
+                                         message.sampling_params.cache_salt)
                   if self.tier is not None else [])
         self._prefilling[message.request_id] = _Prefilling(
             list(message.prompt_token_ids), num_store_tokens, num_host_tokens, hashes)

@@ -81,16 +81,21 @@ class SharedPrefixTier:
         self.writer = KVStoreWriter(store, max_pending_writes)
         self._known: OrderedDict[bytes, None] = OrderedDict()
 
-    def block_hashes(self, token_ids: list[int], images=()) -> list[bytes]:
+    def block_hashes(self, token_ids: list[int], images=(), cache_salt: str | None = None
+                     ) -> list[bytes]:
         """`images`: the prompt's image placeholders, hashed into the blocks they overlap
-        (as the device prefix cache does), so different images never share stored blocks."""
+        (as the device prefix cache does), so different images never share stored blocks.
+        `cache_salt`: the request's tenant salt, keyed in exactly as the engine's own prefix
+        cache keys it, so a salted prompt's stored blocks are only found with that salt."""
         return hash_request_blocks(token_ids, self.kv.block_size, self.kv.hash_salt,
-                                   images=images)
+                                   images=images, cache_salt=cache_salt)
 
-    def usable_hashes(self, token_ids: list[int], images=()) -> list[bytes]:
+    def usable_hashes(self, token_ids: list[int], images=(), cache_salt: str | None = None
+                      ) -> list[bytes]:
         """The prompt's full-block hashes a prefix hit may cover (one token is left to
         compute, as in `find_prefix`)."""
-        return self.block_hashes(token_ids, images)[:(len(token_ids) - 1) // self.kv.block_size]
+        return self.block_hashes(token_ids, images, cache_salt)[
+            :(len(token_ids) - 1) // self.kv.block_size]
 
     def num_device_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of `hashes` in the device prefix cache now (a look, no reference)."""

@@ -94,18 +94,40 @@ def test_prefix_from_worker_a_is_a_shared_tier_hit_on_worker_b(cluster, encode):
     assert second["error"] is None and second["tokens"] == first["tokens"]
 
 
-def store_files(store_dir, prompt) -> list:
+def test_a_salted_prefix_in_the_store_is_only_found_with_its_salt(cluster, encode):
+    """cache_salt keys the store tier as it keys the device cache: tenant A's stored blocks
+    are not loaded for an unsalted request nor for tenant B, and are for tenant A."""
+    prompt = encode(_corpus_from(4))[17:17 + 6 * BLOCK + 5]  # unseen: no device hits
+    salted = {s: SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, cache_salt=s)
+              for s in ("tenant-a", "tenant-b")}
+    first = run_alone_on(cluster, "prefill-0", {"salt-a0": prompt}, salted["tenant-a"])["salt-a0"]
+    cluster.wait_for(lambda: store_has(cluster, prompt, 6, "tenant-a"),
+                     what="6 salted blocks in the store")
+    for rid, params, hit_blocks in [("salt-none", GREEDY, 0), ("salt-b", salted["tenant-b"], 0),
+                                    ("salt-a1", salted["tenant-a"], 6)]:
+        before = cluster.counters("prefill-1")
+        got = run_alone_on(cluster, "prefill-1", {rid: prompt}, params)[rid]
+        cluster.wait_for(lambda: cluster.counters("prefill-1").prefix_query_tokens
+                         > before.prefix_query_tokens, what="prefill-1 report")
+        after = cluster.counters("prefill-1")
+        assert after.store_hit_tokens - before.store_hit_tokens == hit_blocks * BLOCK, rid
+        assert after.device_hit_tokens == before.device_hit_tokens, rid
+        assert got["error"] is None and got["tokens"] == first["tokens"], rid
+    assert not store_has(cluster, prompt, 1, "tenant-c")
+
+
+def store_files(store_dir, prompt, cache_salt=None) -> list:
     paths = []
-    for block_hash in hash_request_blocks(prompt, BLOCK):
+    for block_hash in hash_request_blocks(prompt, BLOCK, cache_salt=cache_salt):
         found = list(store_dir.glob(f"*/*/{block_hash.hex()}*"))
         paths.append(found[0] if found else None)
     return paths
 
 
-def store_has(cluster, prompt, num_blocks) -> bool:
+def store_has(cluster, prompt, num_blocks, cache_salt=None) -> bool:
     store_dir = cluster.client.cluster.kv_store_url.removeprefix("fs://")
     from pathlib import Path
-    return all(p is not None for p in store_files(Path(store_dir), prompt)[:num_blocks])
+    return all(p is not None for p in store_files(Path(store_dir), prompt, cache_salt)[:num_blocks])
 
 
 def test_corrupt_store_block_is_detected_and_recomputed(cluster, encode, store_dir):

@@ -197,12 +197,7 @@ def test_tokenizing_runs_off_the_event_loop():
         FakeEngineClient().tokenizer.encode("slo"))
 
 
-def test_cache_salt_is_refused_where_the_store_tier_would_not_key_by_it():
-    engine = FakeEngineClient()
-    http = TestClient(build_app(engine, ServerConfig(accept_cache_salt=False)))
-    assert_refused(http.post("/v1/completions", json=completion(cache_salt="t")), "cache_salt")
-    assert http.post("/v1/completions", json=completion()).status_code == 200
-    assert len(engine.requests) == 1
+def test_cache_salt_reaches_the_engine():
     http, engine = app_client()
     assert http.post("/v1/completions", json=completion(cache_salt="t")).status_code == 200
     assert engine.requests[0][1].cache_salt == "t"
