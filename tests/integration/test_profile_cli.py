@@ -10,14 +10,14 @@ import pytest
 
 from deepinfer.core.cost_model import FEATURE_NAMES, ChunkShape, CostModel
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     # Not `-m deepinfer.cli.main`: as __main__ that module's CLIError is a different class.
     code = "import sys; from deepinfer.cli.main import main; sys.exit(main())"
     return subprocess.run([sys.executable, "-c", code, "profile", *args],
-                          capture_output=True, text=True, timeout=280)
+                          capture_output=True, text=True, timeout=560)
 
 
 def test_quick_profile_of_the_default_model(tmp_path):
