@@ -10,7 +10,8 @@
  *     both: per group 16 int32 lanes (4 bytes each; in SPLIT4 a lane also covers the same 4
  *     bytes of the second half): dxv = the lane's block scale, lsum = the lane's sum of q,
  *     xsv = dxv * lsum (for the formats with a per-block minimum)
- *   ACT_BLK32   (AVX2, portable; GGUF) natural order, dx per 32 values, sums per 16 values
+ *   ACT_BLK32   (AVX2, portable; GGUF) natural order, dx per 32 values and xsv per 16 values
+ *               (dx x the sum of their q: the weight minimums' term, quant_block_avx2.h)
  *   ACT_ROW     (int8 weights: W8A8) one scale per row (max|x| / 127) and the row's sum of q
  *   ACT_BF16    (fp8 weights) the bf16 row itself and its float32 copy (the AVX2 path's
  *               operand), both zero-padded to 128 values
@@ -45,8 +46,8 @@ typedef struct {
     int family, M, K, Kp;  /* rows, columns, columns padded to QACT_PAD */
     int groups;            /* lane groups (SPLIT4, NAT64) or 32-blocks (BLK32) per row */
     int8_t *q;             /* [M, Kp] */
-    float *dxv, *xsv;      /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: dxv = dx [M, Kp / 32] */
-    int32_t *lsum;         /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: sums [M, Kp / 16] */
+    float *dxv, *xsv;      /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: dx [M, Kp / 32], xsv [M, Kp / 16] */
+    int32_t *lsum;         /* SPLIT4 / NAT64: [M, groups, 16] */
     float *rs;             /* ROW: [M] scales */
     int32_t *rsum;         /* ROW: [M] sums of q */
     uint16_t *x16;         /* BF16: [M, Kp] */
@@ -175,16 +176,16 @@ static void act_prepare_row(qact *a, int m, const void *xm, int is_f32) {
         a->rsum[m] = s;
     } else if (family == ACT_BLK32) {
         act_row_blocks(xm, is_f32, K, Kp, q, dxv);
-        for (int h = 0; h < Kp / 16; h++) {
+        for (int h = 0; h < Kp / 16; h++) { /* values 16h..16h+15, of block h / 2 */
             int s = 0;
             for (int i = 0; i < 16; i++) s += q[16 * h + i];
-            lsum[h] = s;
+            xsv[h] = dxv[h / 2] * (float)s;
         }
     } else {
 #ifdef HAVE_QUANT_AVX512
         act_row_lanes_avx512(family, xm, is_f32, K, Kp, q, dxv, xsv, lsum);
 #else
-        (void)xsv;
+        (void)lsum;
 #endif
     }
 }
