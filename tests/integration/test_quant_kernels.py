@@ -96,6 +96,27 @@ def test_every_e4m3_code_converts_exactly(library, isa):
     assert torch.equal(kernel.dots_f32(x, weight)[0], want)
 
 
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_bf16_activations_are_quantized_as_the_reference(library, isa):
+    """A q8_0 identity (scale 1, code 1 on the diagonal) reads each activation's int8 value
+    back: equal, bit for bit, to the torch rounding of the kernel's rule, on inputs full of
+    ties (multiples of 1/64 and blocks at exactly max|x| / 2), decode and prefill row counts."""
+    kernel = _kernel(library, isa)
+    cols = 576  # not whole 128-value groups: padding
+    blocks = torch.zeros(cols, cols // 32, 34, dtype=torch.uint8)
+    blocks[:, :, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    rows = torch.arange(cols)
+    blocks[rows, rows // 32, 2 + rows % 32] = 1
+    weight = QuantizedWeight("q8_0", cols, cols, blocks.view(cols, -1).contiguous())
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randint(-127, 128, (37, cols), generator=gen) / 64.0).bfloat16()
+    x[3, :32] = torch.tensor([2.0, 1.0, -1.0, 0.5] * 8)
+    x[4] = 0.0
+    want, _ = quantized_activations(x, "q8_0")
+    for m in (1, 37):
+        assert torch.equal(kernel.dots_f32(x[:m], weight), want[:m]), m
+
+
 def test_int8_dots_are_exact_on_every_path(library):
     """W8A8 sums integers exactly, so every ISA gives the same float32 logits bit for bit, and
     they equal the torch computation on the kernel's own int8 activations."""

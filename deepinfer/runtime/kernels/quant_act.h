@@ -87,10 +87,47 @@ static inline float quantize_block(const float *v, int n, int8_t *q) {
     return d;
 }
 
+#ifdef HAVE_QUANT_AVX2
+static inline __m256 load8_ps(const void *x, int is_f32, int64_t i) {
+    if (is_f32) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 32 values at x + i -> q (32 bytes) and the block scale, as quantize_block (max is exact in
+ * any order; vcvtps2dq rounds to nearest even, as lrintf does in the default mode). */
+static inline float quantize_block32_avx2(const void *x, int is_f32, int64_t i, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = load8_ps(x, is_f32, i + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    /* the in-lane packs leave 4-byte groups in the order v0 v1 v2 v3 (low halves), then the
+     * high halves; the permute restores natural order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return amax / 127.f;
+}
+#endif
+
 /* One row of GGUF-family activations: natural-order q and per-32 scales. */
 static void act_row_blocks(const void *x, int is_f32, int K, int Kp, int8_t *q, float *d) {
     float v[32];
     for (int b = 0; b < Kp / 32; b++) {
+#ifdef HAVE_QUANT_AVX2
+        if (b * 32 + 32 <= K) {
+            d[b] = quantize_block32_avx2(x, is_f32, (int64_t)b * 32, q + 32 * b);
+            continue;
+        }
+#endif
         for (int i = 0; i < 32; i++) v[i] = b * 32 + i < K ? act_value(x, is_f32, b * 32 + i) : 0.f;
         d[b] = quantize_block(v, 32, q + 32 * b);
     }
