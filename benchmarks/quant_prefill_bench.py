@@ -6,8 +6,9 @@ in one run on the same engine: the two paths give the same bits, so only the tim
     PYTHONPATH=. .venv/bin/python benchmarks/quant_prefill_bench.py > benchmarks/results/quant_prefill.json
 
 One prompt of M tokens per run (natural text, prefix caching off, max_tokens=1), for M in
---rows, bf16 and float32 activations, 1 and 2 threads; median of --reps runs per path. The
-float32 (exact) path has no tiles switch: its two columns measure the same code (noise).
+--rows, bf16 and float32 activations, 1 and 2 threads; median of --reps runs per path, wall
+time and this process's CPU time (on a shared box the CPU time moves less with other jobs).
+The float32 (exact) path has no tiles switch: its two columns measure the same code (noise).
 JSON to stdout, progress to stderr.
 """
 from __future__ import annotations
@@ -36,11 +37,12 @@ def prompt_of(llm: LLM, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def time_prefill(llm: LLM, prompt: list[int]) -> float:
+def time_prefill(llm: LLM, prompt: list[int]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process: all its threads)"""
     params = SamplingParams(temperature=0, max_tokens=1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def bench_dtype(dtype: str, rows: list[int], threads: list[int], reps: int) -> list[dict]:
@@ -58,18 +60,27 @@ def bench_dtype(dtype: str, rows: list[int], threads: list[int], reps: int) -> l
                     kernel.prefill_tiles = tiles
                     time_prefill(llm, prompt)
                 seconds: dict[str, list[float]] = {name: [] for name in PATHS}
+                cpu: dict[str, list[float]] = {name: [] for name in PATHS}
                 for _ in range(reps):
                     for name, tiles in PATHS.items():
                         kernel.prefill_tiles = tiles
-                        seconds[name].append(time_prefill(llm, prompt))
+                        wall, used = time_prefill(llm, prompt)
+                        seconds[name].append(wall)
+                        cpu[name].append(used)
                 row = {"dtype": dtype, "threads": num_threads, "rows": m,
                        "tokens_per_s": {n: m / statistics.median(s) for n, s in seconds.items()},
-                       "seconds": seconds}
+                       # per CPU-second: less sensitive to other jobs on a shared box
+                       "tokens_per_cpu_s": {n: m / statistics.median(s) for n, s in cpu.items()},
+                       "seconds": seconds, "cpu_seconds": cpu}
                 row["speedup"] = row["tokens_per_s"]["tiles"] / row["tokens_per_s"]["chunked"]
+                row["cpu_speedup"] = (row["tokens_per_cpu_s"]["tiles"]
+                                      / row["tokens_per_cpu_s"]["chunked"])
                 results.append(row)
                 print(f"{dtype} threads={num_threads} M={m}: " + "  ".join(
                     f"{n} {v:7.1f} tok/s" for n, v in row["tokens_per_s"].items())
-                    + f"  x{row['speedup']:.2f}", file=sys.stderr, flush=True)
+                    + f"  x{row['speedup']:.2f}; per CPU-s " + "  ".join(
+                    f"{n} {v:7.1f}" for n, v in row["tokens_per_cpu_s"].items())
+                    + f"  x{row['cpu_speedup']:.2f}", file=sys.stderr, flush=True)
     finally:
         kernel.prefill_tiles = True
     return results
