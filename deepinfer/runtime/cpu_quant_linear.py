@@ -63,7 +63,7 @@ class QuantLinearKernel:
 
     def __init__(self, lib: ctypes.CDLL, isa: int) -> None:
         self._fn = lib.quant_linear
-        self._fn.argtypes = [_P, _INT, _P, _INT, _I64, _INT, _P, _P, _INT, _INT]
+        self._fn.argtypes = [_P, _INT, _P, _INT, _I64, _INT, _P, _P, _INT, _INT, _INT]
         self._fn.restype = _INT
         self._rows = lib.quant_dequant_rows
         self._rows.argtypes = [_P, _P, _INT, _P, _INT, _INT]
@@ -72,6 +72,8 @@ class QuantLinearKernel:
         self.isa = min(isa, lib.quant_isa_compiled())
         self.isa_name = {v: k for k, v in ISA_CODES.items()}[self.isa]
         self._descs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # False: prefill rows run in decode-sized chunks (the same bits, slower; benchmarks)
+        self.prefill_tiles = True
 
     def descriptor(self, weight: QuantizedWeight) -> Tensor:
         desc = self._descs.get(weight)
@@ -83,7 +85,8 @@ class QuantLinearKernel:
         rc = self._fn(self.descriptor(weight).data_ptr(), self.isa, x.data_ptr(),
                       int(x.dtype == torch.float32), x.stride(0), x.shape[0],
                       0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                      int(out.dtype == torch.float32), torch.get_num_threads())
+                      int(out.dtype == torch.float32), torch.get_num_threads(),
+                      int(not self.prefill_tiles))
         if rc != 0:
             raise RuntimeError(f"quantized linear kernel failed (code {rc})")
 

@@ -96,6 +96,27 @@ def test_every_e4m3_code_converts_exactly(library, isa):
     assert torch.equal(kernel.dots_f32(x, weight)[0], want)
 
 
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_bf16_activations_are_quantized_as_the_reference(library, isa):
+    """A q8_0 identity (scale 1, code 1 on the diagonal) reads each activation's int8 value
+    back: equal, bit for bit, to the torch rounding of the kernel's rule, on inputs full of
+    ties (multiples of 1/64 and blocks at exactly max|x| / 2), decode and prefill row counts."""
+    kernel = _kernel(library, isa)
+    cols = 576  # not whole 128-value groups: padding
+    blocks = torch.zeros(cols, cols // 32, 34, dtype=torch.uint8)
+    blocks[:, :, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    rows = torch.arange(cols)
+    blocks[rows, rows // 32, 2 + rows % 32] = 1
+    weight = QuantizedWeight("q8_0", cols, cols, blocks.view(cols, -1).contiguous())
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randint(-127, 128, (37, cols), generator=gen) / 64.0).bfloat16()
+    x[3, :32] = torch.tensor([2.0, 1.0, -1.0, 0.5] * 8)
+    x[4] = 0.0
+    want, _ = quantized_activations(x, "q8_0")
+    for m in (1, 37):
+        assert torch.equal(kernel.dots_f32(x[:m], weight), want[:m]), m
+
+
 def test_int8_dots_are_exact_on_every_path(library):
     """W8A8 sums integers exactly, so every ISA gives the same float32 logits bit for bit, and
     they equal the torch computation on the kernel's own int8 activations."""
@@ -116,20 +137,59 @@ def test_int8_dots_are_exact_on_every_path(library):
     assert torch.allclose(first.double(), want, rtol=1e-5, atol=1e-4)
 
 
+# weight row counts that leave partial tiles (16 rows) and partial groups of 4 rows
+_BATCH_CASES = [("q4_0", 37, 576), ("q4_1", 40, 576), ("q8_0", 37, 576), ("q4_k", 21, 512),
+                ("q5_k", 24, 512), ("q6_k", 21, 768), (INT8, 40, 1000), (FP8_BLOCK, 140, 1000)]
+
+
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(library, isa):
     """Speculative verification rows must equal the same position decoded alone: each input
-    row's output is bit-identical whether it is computed alone or among 2..8 (and 13) rows."""
+    row's output is bit-identical whether it is computed alone, among 2..8 rows (decode), or
+    among 9..301 (prefill: tiles of unpacked weight rows, pairs of input rows, odd counts), in
+    any order."""
     kernel = _kernel(library, isa)
     gen = torch.Generator().manual_seed(11)
-    for fmt, rows, cols in [("q4_0", 40, 576), ("q4_1", 40, 576), ("q8_0", 40, 576),
-                            ("q4_k", 24, 512), ("q5_k", 24, 512), ("q6_k", 24, 512),
-                            (INT8, 40, 1000), (FP8_BLOCK, 140, 1000)]:
+    for fmt, rows, cols in _BATCH_CASES:
         weight = random_blocks(fmt, rows, cols, gen)
-        x = torch.randn(13, cols, generator=gen).bfloat16()
-        alone = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(13)])
-        for m in (2, 3, 4, 5, 8, 13):
+        x = torch.randn(301, cols, generator=gen).bfloat16()
+        alone = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(301)])
+        for m in (2, 3, 4, 5, 8, 9, 13, 67, 130, 301):
             assert torch.equal(kernel.dots_f32(x[:m], weight), alone[:m]), (fmt, m)
+        perm = torch.randperm(301, generator=gen)
+        assert torch.equal(kernel.dots_f32(x[perm], weight), alone[perm]), fmt
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_prefill_rows_equal_the_chunked_path_on_any_number_of_threads(library, isa):
+    """Hundreds of rows, tiles on and off, 1 and 2 threads (the weight rows split between
+    them), bf16 outputs with a bias and float32 dots: all bit-identical, and equal to
+    torch on the kernel's int8 activations up to float32 summation order."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(13)
+    old_threads = torch.get_num_threads()
+    try:
+        for fmt, rows, cols in _BATCH_CASES:
+            weight = random_blocks(fmt, rows, cols, gen)
+            x = torch.randn(203, cols, generator=gen).bfloat16()
+            bias = torch.randn(rows, generator=gen).bfloat16()
+            runs = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for tiles in (True, False):
+                    kernel.prefill_tiles = tiles
+                    runs[threads, tiles] = (kernel.linear(x, weight, bias), kernel.dots_f32(x, weight))
+            first = runs[1, True]
+            for key, (out, dots) in runs.items():
+                assert torch.equal(out, first[0]) and torch.equal(dots, first[1]), (fmt, key)
+            xq, step = quantized_activations(x, weight.format)
+            w = weight.dequantize(torch.float32)
+            want = xq.double() @ w.double().T
+            tol = 1e-5 * (xq.abs().double() @ w.abs().double().T) + 1.01 * step[:, None].double() * w.abs().amax(dim=1).double()
+            assert ((first[1].double() - want).abs() <= tol).all(), fmt
+    finally:
+        torch.set_num_threads(old_threads)
+        kernel.prefill_tiles = True
 
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])

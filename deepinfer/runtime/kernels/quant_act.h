@@ -10,7 +10,8 @@
  *     both: per group 16 int32 lanes (4 bytes each; in SPLIT4 a lane also covers the same 4
  *     bytes of the second half): dxv = the lane's block scale, lsum = the lane's sum of q,
  *     xsv = dxv * lsum (for the formats with a per-block minimum)
- *   ACT_BLK32   (AVX2, portable; GGUF) natural order, dx per 32 values, sums per 16 values
+ *   ACT_BLK32   (AVX2, portable; GGUF) natural order, dx per 32 values and xsv per 16 values
+ *               (dx x the sum of their q: the weight minimums' term, quant_block_avx2.h)
  *   ACT_ROW     (int8 weights: W8A8) one scale per row (max|x| / 127) and the row's sum of q
  *   ACT_BF16    (fp8 weights) the bf16 row itself and its float32 copy (the AVX2 path's
  *               operand), both zero-padded to 128 values
@@ -45,8 +46,8 @@ typedef struct {
     int family, M, K, Kp;  /* rows, columns, columns padded to QACT_PAD */
     int groups;            /* lane groups (SPLIT4, NAT64) or 32-blocks (BLK32) per row */
     int8_t *q;             /* [M, Kp] */
-    float *dxv, *xsv;      /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: dxv = dx [M, Kp / 32] */
-    int32_t *lsum;         /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: sums [M, Kp / 16] */
+    float *dxv, *xsv;      /* SPLIT4 / NAT64: [M, groups, 16]; BLK32: dx [M, Kp / 32], xsv [M, Kp / 16] */
+    int32_t *lsum;         /* SPLIT4 / NAT64: [M, groups, 16] */
     float *rs;             /* ROW: [M] scales */
     int32_t *rsum;         /* ROW: [M] sums of q */
     uint16_t *x16;         /* BF16: [M, Kp] */
@@ -86,10 +87,47 @@ static inline float quantize_block(const float *v, int n, int8_t *q) {
     return d;
 }
 
+#ifdef HAVE_QUANT_AVX2
+static inline __m256 load8_ps(const void *x, int is_f32, int64_t i) {
+    if (is_f32) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 32 values at x + i -> q (32 bytes) and the block scale, as quantize_block (max is exact in
+ * any order; vcvtps2dq rounds to nearest even, as lrintf does in the default mode). */
+static inline float quantize_block32_avx2(const void *x, int is_f32, int64_t i, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = load8_ps(x, is_f32, i + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int j = 0; j < 4; j++) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    /* the in-lane packs leave 4-byte groups in the order v0 v1 v2 v3 (low halves), then the
+     * high halves; the permute restores natural order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return amax / 127.f;
+}
+#endif
+
 /* One row of GGUF-family activations: natural-order q and per-32 scales. */
 static void act_row_blocks(const void *x, int is_f32, int K, int Kp, int8_t *q, float *d) {
     float v[32];
     for (int b = 0; b < Kp / 32; b++) {
+#ifdef HAVE_QUANT_AVX2
+        if (b * 32 + 32 <= K) {
+            d[b] = quantize_block32_avx2(x, is_f32, (int64_t)b * 32, q + 32 * b);
+            continue;
+        }
+#endif
         for (int i = 0; i < 32; i++) v[i] = b * 32 + i < K ? act_value(x, is_f32, b * 32 + i) : 0.f;
         d[b] = quantize_block(v, 32, q + 32 * b);
     }
@@ -175,16 +213,16 @@ static void act_prepare_row(qact *a, int m, const void *xm, int is_f32) {
         a->rsum[m] = s;
     } else if (family == ACT_BLK32) {
         act_row_blocks(xm, is_f32, K, Kp, q, dxv);
-        for (int h = 0; h < Kp / 16; h++) {
+        for (int h = 0; h < Kp / 16; h++) { /* values 16h..16h+15, of block h / 2 */
             int s = 0;
             for (int i = 0; i < 16; i++) s += q[16 * h + i];
-            lsum[h] = s;
+            xsv[h] = dxv[h / 2] * (float)s;
         }
     } else {
 #ifdef HAVE_QUANT_AVX512
         act_row_lanes_avx512(family, xm, is_f32, K, Kp, q, dxv, xsv, lsum);
 #else
-        (void)xsv;
+        (void)lsum;
 #endif
     }
 }

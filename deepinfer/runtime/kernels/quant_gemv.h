@@ -8,14 +8,15 @@
  *   float32 activations: the exact path: each weight row dequantized to float32
  *                     (dequant_row_f32) and dotted in float32, no activation rounding
  *
- * Rows of more than QACT_MAX_M inputs run in chunks of QACT_MAX_M over tiles of QTILE_N
- * weight rows, so a tile is read from memory once and from cache for the other chunks. */
+ * Rows of more than QACT_MAX_M bf16 inputs over GGUF weights on AVX2 (prefill) unpack QTILE_N
+ * weight rows once into a tile and dot every input row with it (quant_tile_avx2.h), the same
+ * bits as the row-at-a-time path; other ISAs and formats run chunks of QACT_MAX_M rows over
+ * QTILE_N weight rows, so a tile is read from memory once and from cache for the other chunks. */
 #ifndef DEEPINFER_QUANT_GEMV_H
 #define DEEPINFER_QUANT_GEMV_H
 #include "quant_dot_avx512.h"
 #include "quant_dot_portable.h"
-
-#define QTILE_N 16
+#include "quant_tile_avx2.h"
 
 /* The ISA a request may use on this build: the best compiled one at or below `isa`. */
 static inline int qisa_available(int isa) {
@@ -34,6 +35,7 @@ typedef struct {
     const qact *act[ACT_FAMILIES]; /* bf16 input: the families its weights need, else NULL */
     const float *x32;              /* float32 input [M, ldx], else NULL */
     int64_t ldx;
+    int chunked;                   /* 1: no prefill tiles (the same bits, slower: benchmarks) */
 } qinput;
 
 /* Where a GEMV writes: out[m * ldo + n] = dot + bias[n], as bf16 (rounded once; with
@@ -157,8 +159,44 @@ static inline void qrow_dots(const qweight *w, int64_t n, const qinput *in, int 
     scalar_rows(w, n, a, m0, dots, mm);
 }
 
-/* Rows [n0, n1) of `w` for every input row. `wtile` is QTILE_N * K floats of scratch for
- * the float32 path (NULL for bf16 inputs). */
+#ifdef HAVE_QUANT_AVX2
+/* Rows [n0, n1) of GGUF weights `w` for every prepared (ACT_BLK32) input row of `a`. */
+static void qgemv_rows_tiled_avx2(const qweight *w, const qact *a, int M, const qoutput *o,
+                                  int n0, int n1, void *scratch) {
+    const int K = w->cols, is_signed = gguf_signed(w->format);
+    const gtile t = gtile_carve(scratch, K);
+    for (int nt = n0; nt < n1; nt += QTILE_N) {
+        const int nn = n1 - nt < QTILE_N ? n1 - nt : QTILE_N;
+        for (int j = 0; j < nn; j++) gtile_fill(w, nt + j, j, &t);
+        /* 4 tile rows stay in L1 while a chunk of input rows (in L2) streams past them */
+        for (int mc = 0; mc < M; mc += QTILE_M) {
+            const int mend = mc + QTILE_M < M ? mc + QTILE_M : M;
+            for (int j = 0; j < nn; j += 4) {
+                int jr[4];
+                for (int t = 0; t < 4; t++) jr[t] = j + t < nn ? j + t : nn - 1;
+                for (int m = mc; m < mend; m += 2) {
+                    const int R = m + 1 < mend ? 2 : 1;
+                    float d[2][4];
+                    gtile_dots_any(&t, jr, a, m, m + 1, d, R, is_signed);
+                    for (int r = 0; r < R; r++)
+                        for (int t = 0; t < 4 && j + t < nn; t++)
+                            qstore(o, m + r, nt + j + t, d[r][t]);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* 1 when the bf16 rows of `in` take the prefill tiles over `w` (else the chunked rows). */
+static inline int qgemv_tiles(const qweight *w, const qinput *in) {
+    const int gguf = w->format >= QF_Q4_0 && w->format <= QF_Q6_K;
+    return gguf && in->isa == ISA_AVX2 && in->M > QACT_MAX_M && !in->chunked;
+}
+
+/* Rows [n0, n1) of `w` for every input row. `wtile`: QTILE_N * K floats of scratch for the
+ * float32 path and the prefill tiles, or NULL (bf16 inputs: the tiles allocate their own, and
+ * without memory the chunked rows give the same bits). */
 static void qgemv_rows(const qweight *w, const qinput *in, const qoutput *o, int n0, int n1,
                        float *wtile) {
     const int M = in->M;
@@ -166,6 +204,16 @@ static void qgemv_rows(const qweight *w, const qinput *in, const qoutput *o, int
         qgemv_rows_f32(w, in, o, n0, n1, wtile);
         return;
     }
+#ifdef HAVE_QUANT_AVX2
+    if (qgemv_tiles(w, in)) {
+        void *tile = wtile ? (void *)wtile : malloc(gtile_bytes(in->K));
+        if (tile) {
+            qgemv_rows_tiled_avx2(w, in->act[ACT_BLK32], M, o, n0, n1, tile);
+            if (!wtile) free(tile);
+            return;
+        }
+    }
+#endif
     for (int nt = n0; nt < n1; nt += QTILE_N) {
         const int nend = nt + QTILE_N < n1 ? nt + QTILE_N : n1;
         for (int m0 = 0; m0 < M; m0 += QACT_MAX_M) {

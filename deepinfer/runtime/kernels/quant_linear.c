@@ -2,7 +2,8 @@
  * dequantization (embedding lookups), loaded by runtime/cpu_quant_linear.py.
  *
  *   quant_linear: out [M, N] = x [M, K] @ W.T + bias; x bf16 (int8-quantized per step) or
- *   float32 (exact path); out bf16 or float32 (the LM head's logits: float32 from bf16 rows).
+ *   float32 (exact path); out bf16 or float32 (the LM head's logits: float32 from bf16 rows);
+ *   `chunked` turns the prefill tiles off (the same bits: for benchmarks).
  *
  * Threads split the weight rows into contiguous ranges (one weight stream each); the inputs
  * are quantized first, their rows shared out among the same threads. Small layers stay on one
@@ -18,12 +19,13 @@ int quant_isa_compiled(void) { return qisa_available(ISA_AVX512); }
 
 /* Returns 0; 1 for a bad descriptor or shapes; 2 when scratch memory could not be allocated. */
 int quant_linear(const int64_t *desc, int isa, const void *x, int x_f32, int64_t ldx, int M,
-                 const void *bias, void *out, int out_f32, int num_threads) {
+                 const void *bias, void *out, int out_f32, int num_threads, int chunked) {
     const qweight w = qweight_from_desc(desc);
     if (!qweight_valid(&w) || w.format == QF_BF16 || M < 1 || ldx < w.cols) return 1;
     if (!x_f32 && out_f32 && bias) return 1; /* float32 logits from bf16 rows carry no bias */
     const int N = w.rows, K = w.cols;
-    qinput in = {M, K, qisa_available(isa), {NULL}, x_f32 ? (const float *)x : NULL, ldx};
+    qinput in = {M, K, qisa_available(isa), {NULL}, x_f32 ? (const float *)x : NULL, ldx,
+                 chunked};
     qact act;
     void *mem = NULL;
     const int64_t work = (int64_t)N * K * M;
@@ -44,8 +46,9 @@ int quant_linear(const int64_t *desc, int isa, const void *x, int x_f32, int64_t
                 act_prepare_row(&act, m, (const uint16_t *)x + (int64_t)m * ldx, 0);
             _Pragma("omp barrier")
         }
-        float *wrow = x_f32 ? (float *)malloc(sizeof(float) * (size_t)K * QTILE_N) : NULL;
-        if (x_f32 && !wrow) {
+        const int tiled = x_f32 || qgemv_tiles(&w, &in);
+        float *wrow = tiled ? (float *)malloc(sizeof(float) * (size_t)K * QTILE_N) : NULL;
+        if (x_f32 && !wrow) { /* bf16 rows without the scratch: qgemv_rows finds its own */
             _Pragma("omp atomic write")
             failed = 2;
         } else {
