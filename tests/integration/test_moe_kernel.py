@@ -1,8 +1,8 @@
 """The MoE experts decode kernel (runtime/cpu_moe_kernel.py) against the torch path: bf16 and
 quantized experts within the rounding bound of moe_kernel_check (and almost always bit for
 bit), inputs it must refuse, and tiny Qwen3-MoE / DeepSeek-V3 / FP8 Qwen3-MoE checkpoints
-whose bf16 decode runs on it: greedy tokens equal the torch path's and transformers' fp32
-reference's (up to a bf16-sized near-tie)."""
+whose bf16 decode runs on it: greedy tokens equal the torch path's and, wherever the
+reference's top-2 gap is not a bf16-sized near-tie, transformers' fp32 reference's."""
 from __future__ import annotations
 
 import pytest
@@ -207,16 +207,20 @@ def test_bf16_decode_on_kernel_equals_torch_path_and_reference(kernel, checkpoin
     calls = []
     real = kernel.quantized if kind.startswith("fp8") else kernel.bf16
     monkeypatch.setattr(kernel, real.__name__, lambda *a: calls.append(1) or real(*a))
-    prompts = random_prompts(seed=13, lengths=(2, 9, 33))
-    with_kernel = _generate(llm, prompts, 10)  # 3 concurrent decodes: 3-token steps
+    prompts = random_prompts(seed=13, lengths=(2, 9, 33, 5, 17, 3))
+    with_kernel = _generate(llm, prompts, 10)  # 6 concurrent decodes: 6-token steps
     assert len(calls) >= 9 * len(layers), "decode steps ran on the kernel"
     for layer in layers:
         layer.kernel = None
     assert _generate(llm, prompts, 10) == with_kernel  # the torch path decodes the same tokens
     ref = TinyReference(reference)
+    num_checked = 0
     for prompt, tokens in zip(prompts, with_kernel):
+        # The reference is fed the engine's own tokens, so every position is comparable; only
+        # those with a bf16-sized top-2 gap may flip.
         trace = ref.score(prompt, tokens)
         for step, (got, want) in enumerate(zip(tokens, trace.greedy_token_ids)):
-            if trace.top2_gaps[step] < BF16_GAP:
-                break  # past a bf16-sized near-tie the sequences may part
-            assert got == want, f"{kind}: step {step} of a {len(prompt)}-token prompt"
+            if trace.top2_gaps[step] >= BF16_GAP:
+                assert got == want, f"{kind}: step {step} of a {len(prompt)}-token prompt"
+                num_checked += 1
+    assert num_checked >= 25, "too few decisive tokens to compare with the reference"
