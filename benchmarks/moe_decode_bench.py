@@ -89,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as root:
         llm = LLM(model=write_checkpoint(root, args), dtype="bfloat16",
                   kv_cache_memory="256MiB", seed=0)
-    kernel = load_moe_kernel()
+    kernel = load_moe_kernel(quantized=False)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, MoEExperts)]
     assert kernel is not None and layers and all(m.kernel is kernel for m in layers), \
         "the MoE kernel is not installed (see the self-test warning)"

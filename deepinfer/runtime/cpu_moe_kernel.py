@@ -19,9 +19,11 @@ import ctypes
 import functools
 import logging
 import os
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
+from torch.autograd import profiler as _profiler
 
 from deepinfer.runtime.cpu_kernel_build import load_kernel_library, self_test
 
@@ -32,6 +34,11 @@ ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-bf16"}
 
 def enabled() -> bool:
     return os.environ.get("DEEPINFER_MOE_KERNEL", "1") != "0"
+
+
+def _named(name: str):
+    """A profiler range while the profiler records (it cannot see the C call), else nothing."""
+    return torch.profiler.record_function(name) if _profiler._is_profiler_enabled else nullcontext()
 
 
 class MoEExpertsKernel:
@@ -75,9 +82,10 @@ class MoEExpertsKernel:
             return None
         weights, ids = routing
         out = torch.empty_like(x)
-        rc = self._bf16(x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
-                        weights.data_ptr(), out.data_ptr(), ids.shape[0], ids.shape[1],
-                        num_experts, hidden, inter, torch.get_num_threads())
+        with _named("deepinfer::moe_experts[bf16]"):
+            rc = self._bf16(x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(),
+                            weights.data_ptr(), out.data_ptr(), ids.shape[0], ids.shape[1],
+                            num_experts, hidden, inter, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"MoE experts kernel failed (code {rc})")
         return out
@@ -90,9 +98,11 @@ class MoEExpertsKernel:
             return None
         weights, ids = routing
         out = torch.empty_like(x)
-        rc = self._quant(descs.data_ptr(), self.quant_isa, x.data_ptr(), ids.data_ptr(),
-                         weights.data_ptr(), out.data_ptr(), ids.shape[0], ids.shape[1],
-                         descs.shape[0], x.shape[1], intermediate_size, torch.get_num_threads())
+        with _named("deepinfer::moe_experts[quantized]"):
+            rc = self._quant(descs.data_ptr(), self.quant_isa, x.data_ptr(), ids.data_ptr(),
+                             weights.data_ptr(), out.data_ptr(), ids.shape[0], ids.shape[1],
+                             descs.shape[0], x.shape[1], intermediate_size,
+                             torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"quantized MoE experts kernel failed (code {rc})")
         return out
@@ -154,10 +164,13 @@ def _load(quant_isa: int | None) -> MoEExpertsKernel | None:
     return kernel if kernel.takes_bf16 or kernel.takes_quantized else None
 
 
-def load_moe_kernel() -> MoEExpertsKernel | None:
-    """The verified kernel, or None (disabled, no compiler, or it disagrees with torch)."""
+def load_moe_kernel(quantized: bool = True) -> MoEExpertsKernel | None:
+    """The verified kernel, or None (disabled, no compiler, or it disagrees with torch).
+    `quantized`: also verify it on quantized experts (loads the quantized-linear kernel)."""
     if not enabled():
         return None
+    if not quantized:
+        return _load(None)
     from deepinfer.runtime.cpu_quant_linear import load_quant_linear
 
     quant = load_quant_linear()
@@ -176,7 +189,7 @@ def install_moe_kernels(model: torch.nn.Module) -> int:
                  and all(getattr(p, "kernel", None) is not None for p in [*m.gate_up, *m.down])]
     if not dense and not quantized:
         return 0
-    kernel = load_moe_kernel()
+    kernel = load_moe_kernel(quantized=bool(quantized))
     if kernel is None:
         return 0
     count = 0

@@ -203,10 +203,12 @@ def test_bf16_decode_on_kernel_equals_torch_path_and_reference(kernel, checkpoin
     reference, directory = checkpoints[kind]
     llm = LLM(model=directory, dtype="bfloat16", seed=0, kv_cache_memory="32MiB")
     layers = _routed_experts(llm.engine.model)
-    assert layers and all(m.kernel is kernel for m in layers), "every routed layer runs the kernel"
+    installed = layers[0].kernel
+    assert isinstance(installed, cpu_moe_kernel.MoEExpertsKernel)
+    assert all(m.kernel is installed for m in layers), "every routed layer runs the kernel"
     calls = []
-    real = kernel.quantized if kind.startswith("fp8") else kernel.bf16
-    monkeypatch.setattr(kernel, real.__name__, lambda *a: calls.append(1) or real(*a))
+    real = installed.quantized if kind.startswith("fp8") else installed.bf16
+    monkeypatch.setattr(installed, real.__name__, lambda *a: calls.append(1) or real(*a))
     prompts = random_prompts(seed=13, lengths=(2, 9, 33, 5, 17, 3))
     with_kernel = _generate(llm, prompts, 10)  # 6 concurrent decodes: 6-token steps
     assert len(calls) >= 9 * len(layers), "decode steps ran on the kernel"

@@ -20,7 +20,7 @@
  * each output value is summed in one fixed order whatever the thread count.
  *
  * bf16 weights: AVX-512 BF16 dots from gemv_bf16.h where the build has them, AVX2 FMA dots
- * (below) on AVX2 hosts, the portable loop elsewhere. Quantized weights: qgemv_rows
+ * (below) on AVX2 hosts, a plain loop elsewhere. Quantized weights: qgemv_rows
  * (quant_gemv.h) over per-expert descriptors, activations prepared as quant_linear.c does. */
 #include <math.h>
 #include <omp.h>
@@ -33,7 +33,19 @@
 
 static inline int part(int64_t n, int i, int parts) { return (int)(n * i / parts); }
 
-#if !defined(HAVE_DPBF16) && defined(__AVX2__) && defined(__FMA__)
+/* The dots' input rows (gathered token rows, then h): bf16 for vdpbf16ps; elsewhere float32,
+ * widened once per step instead of once per weight row (at 8 rows the per-row widening of the
+ * inputs made the AVX2 dots compute-bound). */
+#ifdef HAVE_DPBF16
+typedef uint16_t moe_act;
+static inline moe_act to_act(uint16_t v) { return v; }
+#define MOE_DOTS ROW_FN
+#define MOE_ISA 2
+#else
+typedef float moe_act;
+static inline moe_act to_act(uint16_t v) { return bf16_to_f32(v); }
+typedef void (*moe_dots_fn)(const uint16_t *, const float *, int, float *);
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 static inline __m256 bf16x8(const uint16_t *p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -47,10 +59,10 @@ static inline float moe_hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One weight row with M input rows, C chains of 8 lanes per input row (C * M <= 8
+/* One bf16 weight row with M float32 input rows, C chains of 8 lanes per input row (C * M <= 8
  * accumulators: no spills, and enough chains to hide the FMA latency at small M). */
-#define DEFINE_AVX2_DOTS(NAME, M, C)                                                          \
-static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                 \
+#define DEFINE_MOE_DOTS(NAME, M, C)                                                           \
+static void NAME(const uint16_t *w, const float *x, int K, float *dots) {                    \
     __m256 acc[M][C];                                                                        \
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                      \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[m][c] = _mm256_setzero_ps(); \
@@ -59,35 +71,39 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                \
             const __m256 wv = bf16x8(w + k + 8 * c);                                         \
             _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                              \
-                acc[m][c] = _mm256_fmadd_ps(wv, bf16x8(x + (int64_t)m * K + k + 8 * c), acc[m][c]); \
+                acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)m * K + k + 8 * c), \
+                                            acc[m][c]);                                      \
         }                                                                                    \
     for (; k + 8 <= K; k += 8) {                                                             \
         const __m256 wv = bf16x8(w + k);                                                     \
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            acc[m][0] = _mm256_fmadd_ps(wv, bf16x8(x + (int64_t)m * K + k), acc[m][0]);      \
+            acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)m * K + k), acc[m][0]); \
     }                                                                                        \
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                    \
         __m256 s = acc[m][0];                                                                \
         _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) s = _mm256_add_ps(s, acc[m][c]); \
         float d = moe_hsum8(s);                                                              \
-        for (int t = k; t < K; t++)                                                          \
-            d = __builtin_fmaf(bf16_to_f32(w[t]), bf16_to_f32(x[(int64_t)m * K + t]), d);    \
+        for (int t = k; t < K; t++) d = __builtin_fmaf(bf16_to_f32(w[t]), x[(int64_t)m * K + t], d); \
         dots[m] = d;                                                                         \
     }                                                                                        \
 }
-DEFINE_AVX2_DOTS(avx2_m1, 1, 4) DEFINE_AVX2_DOTS(avx2_m2, 2, 4) DEFINE_AVX2_DOTS(avx2_m3, 3, 2)
-DEFINE_AVX2_DOTS(avx2_m4, 4, 2) DEFINE_AVX2_DOTS(avx2_m5, 5, 1) DEFINE_AVX2_DOTS(avx2_m6, 6, 1)
-DEFINE_AVX2_DOTS(avx2_m7, 7, 1) DEFINE_AVX2_DOTS(avx2_m8, 8, 1)
-static const row_dots_fn MOE_DOTS[MOE_MAX_TOKENS + 1] = {
-    0, avx2_m1, avx2_m2, avx2_m3, avx2_m4, avx2_m5, avx2_m6, avx2_m7, avx2_m8};
 #define MOE_ISA 1
 #else
-#define MOE_DOTS ROW_FN
-#ifdef HAVE_DPBF16
-#define MOE_ISA 2
-#else
+#define DEFINE_MOE_DOTS(NAME, M, C)                                                           \
+static void NAME(const uint16_t *w, const float *x, int K, float *dots) {                    \
+    for (int m = 0; m < M; m++) {                                                            \
+        float s = 0.f;                                                                       \
+        for (int k = 0; k < K; k++) s += bf16_to_f32(w[k]) * x[(int64_t)m * K + k];          \
+        dots[m] = s;                                                                         \
+    }                                                                                        \
+}
 #define MOE_ISA 0
 #endif
+DEFINE_MOE_DOTS(moe_m1, 1, 4) DEFINE_MOE_DOTS(moe_m2, 2, 4) DEFINE_MOE_DOTS(moe_m3, 3, 2)
+DEFINE_MOE_DOTS(moe_m4, 4, 2) DEFINE_MOE_DOTS(moe_m5, 5, 1) DEFINE_MOE_DOTS(moe_m6, 6, 1)
+DEFINE_MOE_DOTS(moe_m7, 7, 1) DEFINE_MOE_DOTS(moe_m8, 8, 1)
+static const moe_dots_fn MOE_DOTS[MOE_MAX_TOKENS + 1] = {
+    0, moe_m1, moe_m2, moe_m3, moe_m4, moe_m5, moe_m6, moe_m7, moe_m8};
 #endif
 
 /* 0 portable, 1 AVX2, 2 AVX-512 BF16: the bf16 dots this build uses (for logs and tests). */
@@ -152,15 +168,15 @@ int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t 
     moe_groups g;
     if (H < 1 || I < 1 || group_pairs(ids, weights, T, k, E, &g)) return 1;
     float *acc = calloc((size_t)T * H, sizeof(float)); /* [T, H] the weighted sums */
-    uint16_t *xg = malloc(sizeof(uint16_t) * (size_t)g.num_pairs * ((size_t)H + I));
+    moe_act *xg = malloc(sizeof(moe_act) * (size_t)g.num_pairs * ((size_t)H + I));
     if (!xg || !acc) {
         free(xg);
         free(acc);
         return 2;
     }
-    uint16_t *h = xg + (size_t)g.num_pairs * H; /* [pairs, I] */
+    moe_act *h = xg + (size_t)g.num_pairs * H; /* [pairs, I] */
     for (int p = 0; p < g.num_pairs; p++)
-        memcpy(xg + (size_t)p * H, x + (size_t)g.token[p] * H, sizeof(uint16_t) * H);
+        for (int c = 0; c < H; c++) xg[(size_t)p * H + c] = to_act(x[(size_t)g.token[p] * H + c]);
     const int64_t rows1 = (int64_t)g.num_active * I;
     const int threads = rows1 * 2 * H >= 65536 ? num_threads : 1;
     _Pragma("omp parallel num_threads(threads)")
@@ -174,7 +190,8 @@ int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t 
             MOE_DOTS[M](w + (size_t)j * H, xg + (size_t)p0 * H, H, gd);
             MOE_DOTS[M](w + (size_t)(I + j) * H, xg + (size_t)p0 * H, H, ud);
             for (int m = 0; m < M; m++)
-                h[(size_t)(p0 + m) * I + j] = silu_mul_bf16(f32_to_bf16(gd[m]), f32_to_bf16(ud[m]));
+                h[(size_t)(p0 + m) * I + j] = to_act(silu_mul_bf16(f32_to_bf16(gd[m]),
+                                                                   f32_to_bf16(ud[m])));
         }
         _Pragma("omp barrier")
         const int n0 = part(H, tid, nth), n1 = part(H, tid + 1, nth);
