@@ -226,3 +226,32 @@ def test_bf16_decode_on_kernel_equals_torch_path_and_reference(kernel, checkpoin
                 assert got == want, f"{kind}: step {step} of a {len(prompt)}-token prompt"
                 num_checked += 1
     assert num_checked >= 25, "too few decisive tokens to compare with the reference"
+
+
+def test_self_test_catches_a_wrong_kernel(kernel, monkeypatch):
+    """A kernel that computes the wrong experts fails the load-time check (bf16 and quantized)."""
+    from deepinfer.runtime import moe_kernel_check as check
+
+    bf16, quantized = kernel.bf16, kernel.quantized
+    monkeypatch.setattr(kernel, "bf16", lambda x, w, ids, gu, dn: bf16(x, w, (ids + 1) % gu.shape[0], gu, dn))
+    monkeypatch.setattr(kernel, "quantized", lambda x, w, ids, descs, inter: quantized(
+        x, w, (ids + 1) % descs.shape[0], descs, inter))
+    assert check.bf16_mismatch(kernel) is not None
+    assert check.quant_mismatch(kernel, load_quant_linear()) is not None
+
+
+def test_disagreeing_kernel_leaves_the_torch_path_with_a_warning(kernel, monkeypatch, caplog):
+    from deepinfer.runtime import cpu_kernel_build, moe_kernel_check
+
+    gen = torch.Generator().manual_seed(7)
+    model = torch.nn.ModuleList([_random_experts(4, 32, 16, gen) for _ in range(2)])
+    monkeypatch.setattr(cpu_kernel_build, "_VERDICTS", {})  # run the self-test afresh
+    monkeypatch.setattr(moe_kernel_check, "bf16_mismatch", lambda k: "forced disagreement")
+    cpu_moe_kernel._load.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_moe_kernel.install_moe_kernels(model) == 0
+        assert all(m.kernel is None for m in model)
+        assert "forced disagreement" in caplog.text and "torch path" in caplog.text
+    finally:
+        cpu_moe_kernel._load.cache_clear()  # later loads verify the real kernel again
