@@ -10,6 +10,11 @@ stacked, HF-v5 style, so a fused checkpoint loads as is:
 Compute groups the (token, expert) pairs by expert with one stable sort and runs one
 gate_up and one down matmul per *active* expert over its contiguous slice; results are
 scattered back with one index_add. No loop over tokens.
+
+At decode (a few tokens) those per-expert ops cost more in overhead than in weight reads:
+`kernel` (set by runtime/cpu_moe_kernel.install_moe_kernels once it passed its self-test
+against `torch_forward`) computes every routed expert in one C call for up to
+`kernel.max_tokens` tokens, and returns None for inputs it does not take.
 """
 from __future__ import annotations
 
@@ -35,9 +40,19 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=empty),
             requires_grad=False)
+        self.kernel = None  # the fused decode kernel (runtime/cpu_moe_kernel.py), or None
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x [T, hidden], topk_weights [T, k] (float), topk_ids [T, k] -> [T, hidden]."""
+        kernel = self.kernel
+        if kernel is not None and x.shape[0] <= kernel.max_tokens:
+            out = kernel.bf16(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+            if out is not None:
+                return out
+        return self.torch_forward(x, topk_weights, topk_ids)
+
+    def torch_forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """The grouped PyTorch path (any T, dtype and device); the kernel's reference."""
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         order = flat_ids.argsort(stable=True)  # pairs grouped by expert

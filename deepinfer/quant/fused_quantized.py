@@ -9,7 +9,9 @@ separate matrices and puts their outputs side by side.
 
 `QuantizedMoEExperts` is `MoEExperts` (moe/layer.py) with one quantized gate/up and one down
 projection module per expert instead of stacked dense tensors; the forward groups the
-(token, expert) pairs the same way.
+(token, expert) pairs the same way. With a decode kernel set (`set_kernel`, by
+runtime/cpu_moe_kernel.py) up to `kernel.max_tokens` tokens take one C call over the experts'
+weight descriptors instead.
 """
 from __future__ import annotations
 
@@ -62,6 +64,17 @@ class QuantizedMoEExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
+        self.kernel = None
+        self.kernel_descs: Tensor | None = None  # [E, 3, 8] descriptors of the weights
+
+    def set_kernel(self, kernel, descs: Tensor) -> None:
+        """Use `kernel` with `descs`, these experts' weight descriptors (the kernel's format)."""
+        self.kernel, self.kernel_descs = kernel, descs
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.kernel = self.kernel_descs = None  # the descriptors point at the old tensors
+        return self
 
     def expert_mlp(self, expert: int, x: Tensor) -> Tensor:
         """x [n, hidden] through expert `expert` -> [n, hidden]."""
@@ -70,6 +83,16 @@ class QuantizedMoEExperts(nn.Module):
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x [T, hidden], topk_weights [T, k] (float), topk_ids [T, k] -> [T, hidden]."""
+        kernel = self.kernel
+        if kernel is not None and x.shape[0] <= kernel.max_tokens:
+            out = kernel.quantized(x, topk_weights, topk_ids, self.kernel_descs,
+                                   self.intermediate_size)
+            if out is not None:
+                return out
+        return self.torch_forward(x, topk_weights, topk_ids)
+
+    def torch_forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        """The grouped path over the projection modules; the kernel's reference."""
         k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         order = flat_ids.argsort(stable=True)  # pairs grouped by expert

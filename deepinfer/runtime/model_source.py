@@ -97,7 +97,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", quantization: str | None = None):
     """Build the model class for `source.config` and fill it from the checkpoint, in the
     weight format `quantization` resolves to (quant/quantization_mode.py; None: the
-    checkpoint's own). Quantized layers on CPU get their verified kernels."""
+    checkpoint's own). Quantized layers and routed MoE experts on CPU get their verified
+    kernels."""
     from deepinfer.models.registry import build_model
     from deepinfer.quant.quantization_mode import resolve_quantization
 
@@ -124,4 +125,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     if mode != "none" and device.type == "cpu":
         from deepinfer.runtime.cpu_quant_linear import install_quant_kernels
         install_quant_kernels(model)
+    if device.type == "cpu":  # routed MoE experts at decode (after the quantized kernels)
+        from deepinfer.runtime.cpu_moe_kernel import install_moe_kernels
+        install_moe_kernels(model)
     return model.eval()
