@@ -71,32 +71,45 @@ def _check(got: Tensor | None, want: Tensor, bound: Tensor, case: str) -> str | 
     return None
 
 
+def _first_problem(case) -> str | None:
+    """`case(num_tokens, num_threads)` over every token count, on one thread and on the
+    caller's thread count (restored after); the first problem it reports, or None."""
+    old_threads = torch.get_num_threads()
+    try:
+        for num_threads in sorted({1, old_threads}):
+            torch.set_num_threads(num_threads)
+            for num_tokens in _TOKENS:
+                problem = case(num_tokens, num_threads)
+                if problem is not None:
+                    return problem
+    finally:
+        torch.set_num_threads(old_threads)
+    return None
+
+
 def bf16_mismatch(kernel) -> str | None:
     """First disagreement of the kernel with MoEExperts' torch path (bf16), or None."""
     from deepinfer.moe.layer import MoEExperts
 
     gen = torch.Generator().manual_seed(0)
-    old_threads = torch.get_num_threads()
-    try:
-        for num_experts, hidden, inter, k in _SHAPES:
-            experts = MoEExperts(num_experts, hidden, inter, torch.bfloat16).to("cpu")
-            experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) / hidden ** 0.5)
-            experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) / inter ** 0.5)
-            for num_threads in sorted({1, old_threads}):
-                torch.set_num_threads(num_threads)
-                for num_tokens in _TOKENS:
-                    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
-                    weights, ids = random_routing(num_tokens, num_experts, k, gen)
-                    want = experts.torch_forward(x, weights, ids)
-                    got = kernel.bf16(x, weights, ids, experts.gate_up_proj, experts.down_proj)
-                    bound = rounding_bound(x, weights, ids, experts.gate_up_proj.float(),
-                                           experts.down_proj.float())
-                    problem = _check(got, want, bound, f"bf16 E={num_experts} H={hidden} I={inter} "
-                                     f"k={k} T={num_tokens} threads={num_threads}")
-                    if problem is not None:
-                        return problem
-    finally:
-        torch.set_num_threads(old_threads)
+    for num_experts, hidden, inter, k in _SHAPES:
+        experts = MoEExperts(num_experts, hidden, inter, torch.bfloat16).to("cpu")
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) / hidden ** 0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) / inter ** 0.5)
+
+        def case(num_tokens: int, num_threads: int) -> str | None:
+            x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+            weights, ids = random_routing(num_tokens, num_experts, k, gen)
+            want = experts.torch_forward(x, weights, ids)
+            got = kernel.bf16(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+            bound = rounding_bound(x, weights, ids, experts.gate_up_proj.float(),
+                                   experts.down_proj.float())
+            return _check(got, want, bound, f"bf16 E={num_experts} H={hidden} I={inter} "
+                          f"k={k} T={num_tokens} threads={num_threads}")
+
+        problem = _first_problem(case)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -123,26 +136,23 @@ def quant_mismatch(kernel, quant_kernel) -> str | None:
     from deepinfer.runtime.cpu_moe_kernel import attach_quantized
 
     gen = torch.Generator().manual_seed(1)
-    old_threads = torch.get_num_threads()
-    try:
-        for fmt, hidden, inter in _QUANT_SHAPES:
-            experts = random_quantized_experts(fmt, 6, hidden, inter, gen, quant_kernel)
-            if attach_quantized(experts, kernel) == 0:
-                return f"{fmt}: the kernel did not take the experts"
-            gate_up = torch.stack([torch.cat([p.dequantize() for p in m.parts]) for m in experts.gate_up])
-            down = torch.stack([m.qweight.dequantize() for m in experts.down])
-            for num_threads in sorted({1, old_threads}):
-                torch.set_num_threads(num_threads)
-                for num_tokens in _TOKENS:
-                    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
-                    weights, ids = random_routing(num_tokens, 6, 3, gen)
-                    want = experts.torch_forward(x, weights, ids)
-                    got = kernel.quantized(x, weights, ids, experts.kernel_descs, inter)
-                    bound = rounding_bound(x, weights, ids, gate_up, down, int8_acts=fmt != FP8_BLOCK)
-                    problem = _check(got, want, bound, f"{fmt} H={hidden} I={inter} T={num_tokens} "
-                                     f"threads={num_threads}")
-                    if problem is not None:
-                        return problem
-    finally:
-        torch.set_num_threads(old_threads)
+    for fmt, hidden, inter in _QUANT_SHAPES:
+        experts = random_quantized_experts(fmt, 6, hidden, inter, gen, quant_kernel)
+        if attach_quantized(experts, kernel) == 0:
+            return f"{fmt}: the kernel did not take the experts"
+        gate_up = torch.stack([torch.cat([p.dequantize() for p in m.parts]) for m in experts.gate_up])
+        down = torch.stack([m.qweight.dequantize() for m in experts.down])
+
+        def case(num_tokens: int, num_threads: int) -> str | None:
+            x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+            weights, ids = random_routing(num_tokens, 6, 3, gen)
+            want = experts.torch_forward(x, weights, ids)
+            got = kernel.quantized(x, weights, ids, experts.kernel_descs, inter)
+            bound = rounding_bound(x, weights, ids, gate_up, down, int8_acts=fmt != FP8_BLOCK)
+            return _check(got, want, bound, f"{fmt} H={hidden} I={inter} T={num_tokens} "
+                          f"threads={num_threads}")
+
+        problem = _first_problem(case)
+        if problem is not None:
+            return problem
     return None
