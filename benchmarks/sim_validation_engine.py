@@ -61,7 +61,8 @@ def warm_server(extra_args: list[str]):
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="sim-validation-serve-", suffix=".log")
     proc = subprocess.Popen(DEEPINFER + ["serve", "--port", str(port), "--threads", "1",
-                                         "--num-kv-blocks", str(NUM_KV_BLOCKS), *extra_args],
+                                         "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                                         "--enable-prompt-tokens-details", *extra_args],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         wait_ready(proc, port, log)

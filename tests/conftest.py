@@ -70,7 +70,8 @@ def default_model_fp32(default_model_source):
 
 @pytest.fixture(scope="session")
 def small_server():
-    """A started `ServeProcess` (no API key, no waiting limit, --max-model-len 64)."""
+    """A started `ServeProcess` (no API key, no waiting limit, --max-model-len 64, cached-token
+    counts in the usage)."""
     from tests.integration.serve_process import (SMALL_SERVER_ARGS, SMALL_SERVER_ENV,
                                                  running_server)
     with running_server(*SMALL_SERVER_ARGS, env=SMALL_SERVER_ENV) as server:

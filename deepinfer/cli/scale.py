@@ -14,7 +14,8 @@ def register(sub) -> None:
     p.add_argument("--count", required=True, type=int, help="workers of that role to keep")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="the server's --api-key (default: $OPENAI_API_KEY)")
+                   help="the server's --admin-api-key, else its --api-key (default: "
+                        "$OPENAI_API_KEY); the server needs --enable-admin-api")
     p.add_argument("--no-wait", action="store_true",
                    help="return once added workers are starting and removed ones draining")
     p.add_argument("--timeout", type=float, default=900.0,

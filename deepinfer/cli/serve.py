@@ -12,6 +12,8 @@ import sys
 from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
+# Waiting requests beyond this get a 429 (a burst cannot queue without bound); 0 lifts it.
+DEFAULT_MAX_WAITING = 1024
 
 
 def register(sub) -> None:
@@ -38,8 +40,9 @@ def register(sub) -> None:
                         "processes (the same file on every host of a multi-host cluster; else "
                         "$DEEPINFER_CLUSTER_SECRET, else a random one per start)")
     group(p, "scheduling").add_argument(
-        "--max-waiting-requests", type=int, default=None,
-        help="answer 429 when this many requests are already waiting")
+        "--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
+        help="answer 429 when this many requests are already waiting "
+             f"(default {DEFAULT_MAX_WAITING}; 0: no limit)")
     group(p, "health").add_argument(
         "--max-engine-restarts", type=int, default=5,
         help="restart a dead engine process (with back-off) up to this many times in a row; "
@@ -116,8 +119,10 @@ def _run(args) -> int:
     from deepinfer.server.engine_supervisor import EngineRestartPolicy
 
     engine_config = engine_config_from_args(args)
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise CLIError("--max-waiting-requests must be at least 1")
+    if args.max_waiting_requests < 0:
+        raise CLIError("--max-waiting-requests must be >= 0 (0: no limit)")
+    if args.enable_admin_api and not (args.admin_api_key or args.api_key):
+        raise CLIError("--enable-admin-api needs --admin-api-key or --api-key")
     if args.metrics_need_api_key and not args.api_key:
         raise CLIError("--metrics-need-api-key needs --api-key")
     if args.max_engine_restarts < 0:
@@ -144,8 +149,10 @@ def _run(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                          max_waiting_requests=args.max_waiting_requests,
-                          limits=limits, admin_api_key=args.admin_api_key,
+                          max_waiting_requests=args.max_waiting_requests or None,
+                          limits=limits, enable_admin_api=args.enable_admin_api,
+                          admin_api_key=args.admin_api_key,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           metrics_need_api_key=args.metrics_need_api_key,
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),

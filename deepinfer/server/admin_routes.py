@@ -3,9 +3,10 @@
     POST /admin/scale    {"role": "decode", "count": 2, "wait": true}  -> what was added/removed
     GET  /admin/workers  -> each worker's role, state, requests and placement
 
-With --admin-api-key they need that key (and --api-key alone does not open them); else with
---api-key they need that key (like /v1/*); with neither they answer only to this machine
-(loopback), since they change what the server runs. Keys are compared in constant time."""
+They exist only with --enable-admin-api (else /admin/* is a 404 saying so), and then always
+behind a key: --admin-api-key if given (--api-key alone does not open them), else --api-key.
+No caller is trusted by its source address: behind a same-host proxy every caller looks local.
+Keys are compared in constant time."""
 from __future__ import annotations
 
 import hmac
@@ -17,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer.server.errors import APIError, from_validation_error
 
-LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 MAX_SCALE_COUNT = 1024
 
 
@@ -34,17 +34,29 @@ def bearer_token(raw_request: Request) -> bytes:
     return header[7:] if header[:7].lower() == b"bearer " else b""
 
 
+ADMIN_OFF = "the admin API is off: start the server with --enable-admin-api (and a key)"
+ADMIN_NEEDS_KEY = "--enable-admin-api needs --admin-api-key or --api-key"
+
+
+def add_admin_off_routes(app: FastAPI) -> None:
+    """/admin/* without --enable-admin-api: a 404 that says how to turn it on."""
+    @app.api_route("/admin/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"],
+                   include_in_schema=False)
+    async def admin_off(path: str) -> JSONResponse:
+        return APIError(404, ADMIN_OFF, type="not_found_error").to_response()
+
+
 def add_admin_routes(app: FastAPI, client, api_key: str | None,
                      admin_api_key: str | None = None) -> None:
+    if not (admin_api_key or api_key):
+        raise ValueError(ADMIN_NEEDS_KEY)
+
     def check_access(raw_request: Request) -> None:
-        if admin_api_key:
-            if not hmac.compare_digest(bearer_token(raw_request), admin_api_key.encode()):
-                raise APIError(401, "Invalid or missing admin API key (--admin-api-key)",
-                               type="authentication_error", code="invalid_api_key")
-        elif not api_key and (raw_request.client is None
-                            or raw_request.client.host not in LOOPBACK_HOSTS):
-            raise APIError(403, "admin endpoints without --api-key answer only to this machine",
-                           type="permission_error")
+        # --api-key holders without an admin key are checked by the app's ApiKeyMiddleware.
+        if admin_api_key and not hmac.compare_digest(bearer_token(raw_request),
+                                                     admin_api_key.encode()):
+            raise APIError(401, "Invalid or missing admin API key (--admin-api-key)",
+                           type="authentication_error", code="invalid_api_key")
         if not hasattr(client, "scale"):
             raise APIError(501, "scaling needs disaggregated serving (--prefill-workers N "
                            "--decode-workers M)", type="not_implemented_error")

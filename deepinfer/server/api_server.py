@@ -47,8 +47,11 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    enable_admin_api: bool = False  # /admin/* (scale, workers); needs admin_api_key or api_key
     admin_api_key: str | None = None  # /admin/* need this key instead of api_key
     metrics_need_api_key: bool = False  # /metrics behind api_key as well
+    # usage.prompt_tokens_details.cached_tokens (off: it is a prefix-cache oracle across tenants)
+    enable_prompt_tokens_details: bool = False
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     log_level: str = "warning"
     engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
@@ -154,6 +157,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         chat.enable_images(MultiModalProcessor.from_pretrained(config.mm_model_path), policy)
     tokenize = OpenAIServingTokenize(client, metrics, served_names, gate, chat=chat)
     completion.prepare_pool = chat.prepare_pool = tokenize.prepare_pool = PreparePool()
+    completion.prompt_tokens_details = chat.prompt_tokens_details = \
+        config.enable_prompt_tokens_details
     limits = config.limits if not config.mm_model_path else dataclasses.replace(
         config.limits, max_images_per_request=policy.limit_per_prompt)
     app = FastAPI(title="DeepInfer OpenAI-compatible API")
@@ -183,8 +188,10 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         return APIError(exc.status_code, str(exc.detail), type=kind).to_response()
 
     @app.get("/health")
-    async def health() -> Response:  # 503 while the engine is down or restarting
-        return Response(status_code=200 if client.is_healthy else 503)
+    async def health() -> JSONResponse:  # 503 while the engine is down or restarting
+        healthy = client.is_healthy
+        return JSONResponse({"status": "ok" if healthy else "unavailable"},
+                            status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -239,9 +246,11 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
             return from_validation_error(e).to_response()
         return JSONResponse((await tokenize.detokenize(request)).model_dump())
 
-    from deepinfer.server.admin_routes import add_admin_routes
-    # POST /admin/scale, GET /admin/workers
-    add_admin_routes(app, client, config.api_key, config.admin_api_key)
+    from deepinfer.server.admin_routes import add_admin_off_routes, add_admin_routes
+    if config.enable_admin_api:  # POST /admin/scale, GET /admin/workers
+        add_admin_routes(app, client, config.api_key, config.admin_api_key)
+    else:
+        add_admin_off_routes(app)
 
     app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest,
                                                      TokenizeCompletionRequest, DetokenizeRequest])

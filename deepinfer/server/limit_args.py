@@ -23,10 +23,15 @@ _CAPS = {
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g = group(parser, "security")
+    g.add_argument("--enable-admin-api", action="store_true",
+                   help="serve /admin/scale and /admin/workers (disaggregated serving), behind "
+                        "--admin-api-key, else --api-key; one of them is required")
     g.add_argument("--admin-api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /admin/* (separate from "
-                        "--api-key; without it, /admin answers --api-key holders, or only "
-                        "loopback callers when there is no key)")
+                        "--api-key, which then does not open them)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (off by default: it "
+                        "tells a client which prefixes other clients sent; see cache_salt)")
     g.add_argument("--metrics-need-api-key", action="store_true",
                    help="put /metrics behind --api-key too (default: open, like /health)")
     g.add_argument("--max-concurrent-requests", type=int, default=None,

@@ -109,13 +109,17 @@ class StreamCursor:
         return new
 
 
-def make_usage(states: list[EngineRequestState]) -> UsageInfo:
+def make_usage(states: list[EngineRequestState], prompt_tokens_details: bool = False) -> UsageInfo:
+    """Token counts; the cached-token count only when the server was started with
+    --enable-prompt-tokens-details (as vLLM): it tells a client, block by block, whether
+    anyone sent a prefix before, so it is not reported by default."""
     prompt = sum(len(s.prompt_token_ids) for s in states)
     completion = sum(len(c.token_ids) for s in states for c in s.choices)
-    cached = sum(s.num_cached_tokens for s in states)
+    details = None
+    if prompt_tokens_details:
+        details = PromptTokensDetails(cached_tokens=sum(s.num_cached_tokens for s in states))
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     total_tokens=prompt + completion, prompt_tokens_details=details)
 
 
 def sse_event(payload: BaseModel | dict) -> str:
@@ -160,6 +164,11 @@ class OpenAIServing:
 
     # server.prepare_pool.PreparePool (set by the app): templating and tokenizing run there.
     prepare_pool = None
+    # --enable-prompt-tokens-details (set by the app): usage reports cached prompt tokens.
+    prompt_tokens_details = False
+
+    def usage(self, states: list[EngineRequestState]) -> UsageInfo:
+        return make_usage(states, self.prompt_tokens_details)
 
     @property
     def model_name(self) -> str:

@@ -15,7 +15,7 @@ from deepinfer.server.protocol import (
 )
 from deepinfer.server.reasoning_parsers import REASONING_PARSERS
 from deepinfer.server.serving_base import (
-    SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, json_logprob, make_usage,
+    SSE_DONE, EngineRequestState, OpenAIServing, StreamCursor, json_logprob,
     sse_event,
 )
 from deepinfer.server.structured_request import asks_structured_output
@@ -256,7 +256,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._logprobs(c.logprobs) if request.logprobs else None,
                 token_ids=c.token_ids if request.return_token_ids else None))
         return ChatCompletionResponse(
-            id=response_id, model=self.model_name, choices=choices, usage=make_usage([state]),
+            id=response_id, model=self.model_name, choices=choices, usage=self.usage([state]),
             prompt_token_ids=prompt if request.return_token_ids else None)
 
     def _logprobs(self, logprobs) -> ChatChoiceLogprobs:
@@ -315,7 +315,7 @@ class OpenAIServingChat(OpenAIServing):
                         token_ids=choice.token_ids[new.token_start:]
                         if request.return_token_ids else None)])
             if request.stream_options and request.stream_options.include_usage:
-                yield chunk([], usage=make_usage([state]))
+                yield chunk([], usage=self.usage([state]))
         except APIError as e:
             yield sse_event(e.body())
         finally:

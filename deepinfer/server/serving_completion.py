@@ -17,7 +17,7 @@ from deepinfer.server.protocol import (
 )
 from deepinfer.server.serving_base import (
     SSE_DONE, ChoiceState, EngineRequestState, OpenAIServing, StreamCursor, json_logprob,
-    make_usage, sse_event,
+    sse_event,
 )
 
 
@@ -123,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [self._choice(request, state, choice, i * request.n + choice.index)
                    for i, state in enumerate(states) for choice in state.choices]
         return CompletionResponse(id=response_id, model=self.model_name, choices=choices,
-                                  usage=make_usage(states))
+                                  usage=self.usage(states))
 
     def _choice(self, request: CompletionRequest, state: EngineRequestState,
                 choice: ChoiceState, index: int) -> CompletionChoice:
@@ -175,7 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse_event(chunk)
             if request.stream_options and request.stream_options.include_usage:
                 yield sse_event(CompletionResponse(id=response_id, model=self.model_name,
-                                                   choices=[], usage=make_usage(final_states)))
+                                                   choices=[], usage=self.usage(final_states)))
         except APIError as e:
             yield sse_event(e.body())
         finally:

@@ -16,10 +16,17 @@ import httpx
 
 # A small server for robustness tests: any valid request generates at most ~60 tokens.
 SMALL_SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads", "1",
-                     "--max-model-len", "64", "--max-num-seqs", "8")
+                     "--max-model-len", "64", "--max-num-seqs", "8",
+                     "--max-waiting-requests", "0", "--enable-prompt-tokens-details")
 # Its engine raises inside the step for a request with this seed (step_faults.DebugStepFault).
 SMALL_SERVER_FAULT_SEED = 31337
 SMALL_SERVER_ENV = {"DEEPINFER_DEBUG_STEP_FAULT_SEED": str(SMALL_SERVER_FAULT_SEED)}
+
+
+# /admin/* exist only with --enable-admin-api and a key.
+ADMIN_KEY = "test-admin-key"
+ADMIN_FLAGS = ("--enable-admin-api", "--admin-api-key", ADMIN_KEY)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def free_port() -> int:

@@ -32,7 +32,8 @@ def served(request, tmp_path_factory):
             location = url = stack.enter_context(running_redis_server())
         proc = ServeProcess("--dtype", "float32", "--threads", "1", "--num-kv-blocks", "256",
                             "--prefill-workers", "2", "--decode-workers", "1",
-                            "--prefill-router", "round-robin", "--kv-store", url)
+                            "--prefill-router", "round-robin", "--kv-store", url,
+                            "--enable-prompt-tokens-details")
         try:
             proc.wait_ready()
             yield proc, request.param, location

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 6
 BLOCK_SIZE = 16
 SERVER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE),
-               "--threads", "1", "--seed", "0", *MEDIA_ARGS)
+               "--threads", "1", "--seed", "0", "--enable-prompt-tokens-details", *MEDIA_ARGS)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 

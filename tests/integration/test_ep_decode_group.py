@@ -22,7 +22,7 @@ from deepinfer import SamplingParams
 from deepinfer.engine.step_faults import DEBUG_FAULT_SEED_ENV
 from tests.integration.expert_parallel_harness import one_process_outputs, write_checkpoint
 from tests.integration.moe_checkpoints import random_prompts
-from tests.integration.serve_process import ServeProcess, scrape_metrics
+from tests.integration.serve_process import ADMIN_FLAGS, ADMIN_HEADERS, ServeProcess, scrape_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -38,7 +38,7 @@ def start_server(directory: str, *flags: str, env: dict | None = None) -> ServeP
                           "--num-kv-blocks", "128", "--kv-store", "none",
                           "--prefill-workers", "1", "--decode-workers", "1",
                           "--decode-data-parallel-size", str(RANKS), "--enable-expert-parallel",
-                          *flags, env=env)
+                          *ADMIN_FLAGS, *flags, env=env)
     try:
         server.wait_ready()
     except BaseException:
@@ -86,7 +86,7 @@ def complete_all(url: str, prompts, stream: bool = False, timeout_s: float = 120
 
 
 def decode_workers(url: str) -> list[dict]:
-    workers = httpx.get(f"{url}/admin/workers", timeout=10).json()["workers"]
+    workers = httpx.get(f"{url}/admin/workers", headers=ADMIN_HEADERS, timeout=10).json()["workers"]
     return [w for w in workers if w["role"] == "decode"]
 
 

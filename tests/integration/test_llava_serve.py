@@ -54,7 +54,8 @@ def bad_image_cases() -> dict:
 @pytest.fixture(scope="module")
 def llava_server(llava_checkpoints):
     with running_server("--model", llava_checkpoints["siglip"], "--dtype", "float32",
-                        "--threads", "1", "--kv-cache-memory", "16MiB", *MEDIA_ARGS) as server:
+                        "--threads", "1", "--kv-cache-memory", "16MiB",
+                        "--enable-prompt-tokens-details", *MEDIA_ARGS) as server:
         yield server
 
 

@@ -195,7 +195,7 @@ def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster,
     import httpx
 
     from deepinfer import LLM
-    from tests.integration.serve_process import ServeProcess
+    from tests.integration.serve_process import ADMIN_FLAGS, ADMIN_HEADERS, ServeProcess
     from tests.integration.tiny_models import prompts as tiny_prompts
     from tests.integration.tiny_models import tiny_hf_model
 
@@ -205,7 +205,7 @@ def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster,
               "--num-kv-blocks", "64", "--seed", "0")
     server = ServeProcess(
         *engine, "--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
-        "--cluster", ray_cluster["ray_client"],
+        "--cluster", ray_cluster["ray_client"], *ADMIN_FLAGS,
         "--prefill-resources", '{"num_cpus": 0.5, "prefill_node": 1}',
         "--decode-resources", '{"num_cpus": 0.5, "decode_node": 1}')
     try:
@@ -217,7 +217,8 @@ def test_serve_through_ray_client_places_p1_d1_and_equals_colocated(ray_cluster,
             server.wait_ready(timeout_s=READY_DEADLINE_S + 2 * 60)  # + 2 stuck client starts
         except RuntimeError as exc:  # show why the head's Ray Client server refused us
             raise AssertionError(f"{exc}\n{_client_server_logs(ray_cluster['head_logs'])}")
-        workers = httpx.get(f"{server.url}/admin/workers", timeout=30).json()["workers"]
+        workers = httpx.get(f"{server.url}/admin/workers", headers=ADMIN_HEADERS,
+                            timeout=30).json()["workers"]
         nodes = {w["worker_id"]: w["placement"]["node_id"] for w in workers}
         assert nodes == {"prefill-0": ray_cluster["prefill"], "decode-0": ray_cluster["decode"]}
         model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]

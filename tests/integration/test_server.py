@@ -34,7 +34,7 @@ def server_process():
     server = ServeProcess("--dtype", "float32", "--kv-cache-memory", "128MiB", "--threads", "1",
                           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
                           str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
-                          "--api-key", API_KEY)
+                          "--api-key", API_KEY, "--enable-prompt-tokens-details")
     yield server
     code = server.stop()
     assert code == 0, f"server did not stop cleanly ({code})"

@@ -43,7 +43,7 @@ class FakeColocatedClient:
 
 
 def app_for(client, api_key=KEY) -> TestClient:
-    return TestClient(build_app(client, ServerConfig(api_key=api_key)))
+    return TestClient(build_app(client, ServerConfig(api_key=api_key, enable_admin_api=True)))
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -80,11 +80,21 @@ def test_client_refusal_is_400_and_colocated_is_501():
     assert r.status_code == 501 and "--prefill-workers" in r.json()["error"]["message"]
 
 
-def test_without_an_api_key_admin_answers_only_to_loopback():
-    # TestClient's peer is "testclient", not a loopback address.
-    r = app_for(FakeClusterClient(), api_key=None).post(
-        "/admin/scale", json={"role": "decode", "count": 2})
-    assert r.status_code == 403 and "this machine" in r.json()["error"]["message"]
+def test_admin_is_off_unless_enabled_and_enabled_only_with_a_key():
+    off = TestClient(build_app(FakeClusterClient(), ServerConfig(api_key=KEY)))
+    for method, path in (("post", "/admin/scale"), ("get", "/admin/workers"), ("get", "/admin/x")):
+        r = getattr(off, method)(path, headers=AUTH)
+        assert r.status_code == 404 and "--enable-admin-api" in r.json()["error"]["message"]
+    # No caller is trusted for where it calls from: without any key it does not start.
+    with pytest.raises(ValueError, match="--admin-api-key or --api-key"):
+        build_app(FakeClusterClient(), ServerConfig(enable_admin_api=True))
+
+
+def test_serve_refuses_the_admin_api_without_a_key(capsys):
+    from deepinfer.cli.main import main
+    assert main(["serve", "--enable-admin-api", "--port", "1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "--enable-admin-api needs --admin-api-key or --api-key" in err[-1]
 
 
 def cli_args(**kw) -> argparse.Namespace:
