@@ -54,6 +54,8 @@ def plan_tools(request, auto_parser: ToolParser | None) -> ToolPlan:
             raise bad_request('"auto" tool choice requires the server to run with '
                               "--enable-auto-tool-choice and --tool-call-parser",
                               param="tool_choice", code="unsupported_parameter")
+        if auto_parser.keeps_special_tokens and "skip_special_tokens" not in request.model_fields_set:
+            request.skip_special_tokens = False  # its markers may be special tokens
         return ToolPlan("auto", tools, parser=auto_parser, parallel=parallel)
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [

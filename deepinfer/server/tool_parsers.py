@@ -66,9 +66,12 @@ def dumps(value) -> str:
 
 
 class ToolParser:
-    """`parse(text, finished)`: what the text says so far (complete when `finished`)."""
+    """`parse(text, finished)`: what the text says so far (complete when `finished`).
+    `keeps_special_tokens`: the call markers are tokens that detokenizing with
+    skip_special_tokens could drop, so an "auto" request keeps them unless it says."""
 
     name = ""
+    keeps_special_tokens = False
 
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -118,6 +121,7 @@ class JsonArrayToolParser(ToolParser):
 
 class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
+    keeps_special_tokens = True
     calls_begin, calls_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     call_begin, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
