@@ -151,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=make_usage(states))
 
     def _choice(self, request: CompletionRequest, state: EngineRequestState,
-                choice: ChoiceState, index: int, echo: str) -> CompletionChoice:
+                choice: ChoiceState, index: int, echo: str = "") -> CompletionChoice:
         logprobs = None
         if request.logprobs is not None:
             logprobs = self._echo_logprobs(request, state)
@@ -247,7 +247,7 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
     def _chunk(self, request: CompletionRequest, response_id: str, state: EngineRequestState,
-               choice: ChoiceState, index: int, cursor: StreamCursor, echo: str
+               choice: ChoiceState, index: int, cursor: StreamCursor, echo: str = ""
                ) -> CompletionResponse | None:
         """The next chunk of one choice, or None if it has nothing new; advances `cursor`.
         The first chunk carries the echoed prompt."""
