@@ -99,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.reject_unsupported(request)
         if request.max_tokens == 0 and not request.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo)",
-                              param="max_tokens")
+                              param="max_tokens", code="invalid_value")
         if request.echo and request.suffix:
             raise bad_request("echo and suffix cannot be used together", param="echo")
         if request.best_of is not None and request.best_of != request.n:

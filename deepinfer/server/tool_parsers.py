@@ -136,7 +136,7 @@ class DeepSeekV3ToolParser(ToolParser):
         blocks = text[first:].split(self.call_begin)[1:]
         for n, block in enumerate(blocks):
             closed = self.call_end in block or finished or n < len(blocks) - 1
-            obj = self._call(block.split(self.call_end)[0], closed)
+            obj = self._call(block, closed)
             if obj is None:
                 if closed:
                     return ParsedOutput(text, [], valid=False)

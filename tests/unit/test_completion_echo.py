@@ -110,6 +110,7 @@ def test_max_tokens_zero_echoes_the_prompt_only(app):
     assert [c["choices"][0]["text"] for c in chunks] == ["abc"]
     r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["code"] == "invalid_value"  # as pydantic's range checks say
 
 
 @pytest.mark.parametrize("logprobs", [None, 2])
