@@ -19,7 +19,9 @@ from deepinfer.server.serving_base import (
     sse_event,
 )
 from deepinfer.server.structured_request import asks_structured_output
-from deepinfer.server.tool_calling import ToolPlan, message_tool_fields, plan_tools, template_renders
+from deepinfer.server.tool_calling import (
+    ToolPlan, message_tool_fields, plan_tools, template_renders, with_arguments_as_text,
+)
 from deepinfer.server.tool_parsers import get_tool_parser
 
 _ROLES = CHAT_ROLES
@@ -155,10 +157,17 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}",
                               param="chat_template_kwargs")
         continues = continues_final_message(request)
-        try:
-            return apply_chat_template(tokenizer, messages, request.add_generation_prompt,
+        def render(template_messages):
+            return apply_chat_template(tokenizer, template_messages, request.add_generation_prompt,
                                        tools=plan.tools, chat_template=self.chat_template,
                                        template_kwargs=kwargs, continue_final_message=continues)
+        try:
+            try:
+                return render(messages)
+            except TypeError:  # a template that joins call arguments in as text (DeepSeek's)
+                if not any("tool_calls" in m for m in messages):
+                    raise
+                return render(with_arguments_as_text(messages, request.messages))
         except Exception as e:  # template errors are the caller's messages' fault
             raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from None
 

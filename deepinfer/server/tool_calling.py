@@ -54,6 +54,8 @@ def plan_tools(request, auto_parser: ToolParser | None) -> ToolPlan:
             raise bad_request('"auto" tool choice requires the server to run with '
                               "--enable-auto-tool-choice and --tool-call-parser",
                               param="tool_choice", code="unsupported_parameter")
+        if auto_parser.keeps_special_tokens and "skip_special_tokens" not in request.model_fields_set:
+            request.skip_special_tokens = False  # its markers may be special tokens
         return ToolPlan("auto", tools, parser=auto_parser, parallel=parallel)
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
@@ -162,6 +164,25 @@ def _template_call(i: int, j: int, call: Any) -> dict[str, Any]:
             raise bad_request(f"{where}.function.arguments is not valid JSON", param=where) from None
     return {"id": call.get("id"), "type": "function",
             "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def with_arguments_as_text(messages: list[dict[str, Any]], raw_messages: list[dict[str, Any]]
+                           ) -> list[dict[str, Any]]:
+    """The template `messages` with each call's arguments as the client's JSON text instead
+    of an object, for templates that join them into the prompt as a string (DeepSeek's:
+    `... + tool['function']['arguments'] + ...`); `raw_messages` are the request's, 1:1."""
+    out = []
+    for message, raw in zip(messages, raw_messages):
+        if "tool_calls" in message:
+            calls = []
+            for call, raw_call in zip(message["tool_calls"], raw["tool_calls"]):
+                text = raw_call["function"].get("arguments", "{}")
+                if not isinstance(text, str):
+                    text = json.dumps(text, ensure_ascii=False)
+                calls.append({**call, "function": {**call["function"], "arguments": text}})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
 
 
 def template_renders(tokenizer, chat_template: str | None, word: str) -> bool:

@@ -3,6 +3,12 @@ stream deltas. Registered by name (`--tool-call-parser`, vLLM's names).
 
 - `hermes` (Hermes, Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks, any number, after optional plain content.
+- `deepseek_v3` (DeepSeek-V3/R1, and V3.1's shorter form, also named `deepseek_v31`):
+  `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` +
+  a ```json fenced block of the arguments (V3.1: `NAME<｜tool▁sep｜>ARGS`) +
+  `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
+- `llama3_json` (Llama 3.x): an optional `<|python_tag|>`, then `{"name": ..., "parameters":
+  {...}}` objects separated by `;`; an output that does not start so is plain content.
 - `json_array` (internal): the whole output is `[{"name": ..., "parameters": {...}}, ...]`, what
   the grammar of `tool_choice="required"` makes the model write.
 
@@ -60,9 +66,12 @@ def dumps(value) -> str:
 
 
 class ToolParser:
-    """`parse(text, finished)`: what the text says so far (complete when `finished`)."""
+    """`parse(text, finished)`: what the text says so far (complete when `finished`).
+    `keeps_special_tokens`: the call markers are tokens that detokenizing with
+    skip_special_tokens could drop, so an "auto" request keeps them unless it says."""
 
     name = ""
+    keeps_special_tokens = False
 
     def parse(self, text: str, finished: bool) -> ParsedOutput:
         raise NotImplementedError
@@ -110,6 +119,125 @@ class JsonArrayToolParser(ToolParser):
         return ParsedOutput("", calls)
 
 
+class DeepSeekV3ToolParser(ToolParser):
+    name = "deepseek_v3"
+    keeps_special_tokens = True
+    calls_begin, calls_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    call_begin, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        first = min((i for i in (text.find(self.calls_begin), text.find(self.call_begin))
+                     if i >= 0), default=-1)
+        if first < 0:
+            held = 0 if finished else max(_partial_marker(text, self.calls_begin),
+                                          _partial_marker(text, self.call_begin))
+            return ParsedOutput(text[:len(text) - held], [])
+        calls = []
+        blocks = text[first:].split(self.call_begin)[1:]
+        for n, block in enumerate(blocks):
+            closed = self.call_end in block or finished or n < len(blocks) - 1
+            obj = self._call(block, closed)
+            if obj is None:
+                if closed:
+                    return ParsedOutput(text, [], valid=False)
+                obj = {}
+            calls.append(ParsedCall(obj, closed))
+        return ParsedOutput(text[:first], calls)
+
+    def _call(self, block: str, closed: bool) -> dict | None:
+        """{name, arguments} of one call's text (partial while not `closed`: the name only
+        once it is complete, arguments once they began); None if it cannot be a call."""
+        block = block.split(self.call_end)[0].split(self.calls_end)[0]
+        if not closed:
+            block = block[:len(block) - _partial_marker(block, self.call_end)]
+        if self.sep not in block:
+            return None if closed else {}
+        head, rest = block.split(self.sep, 1)
+        if head.strip() == "function" and not rest.lstrip().startswith("{"):
+            if "\n" not in rest:  # V3: NAME, newline, fenced JSON; the name is still growing
+                return None if closed else {}
+            name, body = rest.split("\n", 1)
+            body = _unfenced(body, closed)
+        else:  # V3.1: NAME<｜tool▁sep｜>ARGS
+            name, body = head, rest
+        name = name.strip()
+        if not name:
+            return None if closed else {}
+        args = _loads(body, partial=not closed)
+        if args is None:
+            return None if closed else {"name": name}
+        return {"name": name, "arguments": args}
+
+
+def _unfenced(body: str, closed: bool) -> str:
+    """The JSON inside a ```json ... ``` block (as much as there is of it)."""
+    body = body.lstrip()
+    if not closed and "```json\n".startswith(body):
+        return ""  # the opening fence is still being written
+    match = _FENCE_OPEN.match(body)
+    body = body[match.end():] if match else body
+    body = body.rstrip()
+    return body[:-3] if body.endswith("```") else body if closed else body.rstrip("`")
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        tag = text.find(self.python_tag)
+        if text.lstrip().startswith("{"):
+            content, start = "", len(text) - len(text.lstrip())
+        elif tag >= 0:
+            content, start = text[:tag], tag + len(self.python_tag)
+        else:
+            if finished:
+                held = 0
+            elif not text.strip():
+                held = len(text)  # leading whitespace: a call may still follow
+            else:
+                held = _partial_marker(text, self.python_tag)
+            return ParsedOutput(text[:len(text) - held], [])
+        calls = self._objects(text, start, finished)
+        if calls is None:
+            return ParsedOutput(text, [], valid=False)
+        return ParsedOutput(content, calls)
+
+    @staticmethod
+    def _objects(text: str, pos: int, finished: bool) -> list[ParsedCall] | None:
+        """The `;`-separated call objects from `pos`; None if the text is not such a list."""
+        decoder, calls = json.JSONDecoder(), []
+        while True:
+            pos = _skip_space(text, pos)
+            if pos == len(text):
+                return calls if calls or not finished else None
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                partial = None if finished else _loads(text[pos:], partial=True)
+                if not isinstance(partial, dict):
+                    return None if finished else calls
+                calls.append(ParsedCall(partial, False))
+                return calls
+            if not isinstance(obj, dict):
+                return None
+            calls.append(ParsedCall(obj, True))
+            pos = _skip_space(text, pos)
+            if pos < len(text):
+                if text[pos] != ";":
+                    return None
+                pos += 1
+
+
+_FENCE_OPEN = re.compile(r"```(?:json)?[ \t]*\n?")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
 def _loads(text: str, partial: bool):
     if not text.strip():
         return None
@@ -127,7 +255,9 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, DeepSeekV3ToolParser, Llama3JsonToolParser)}
+TOOL_PARSERS["deepseek_v31"] = DeepSeekV3ToolParser  # the same parser reads both forms
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -228,3 +228,35 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400(server, model):
         "model": model, "prompt": "def f(", "suffix": "    return 1\n", "max_tokens": 4},
         timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+
+
+def test_echo_returns_the_prompt_with_transformers_logprobs(server, model, hf_reference):
+    import torch
+
+    ids = hf_reference.encode("The capital of France is Paris, and the capital of Italy is")
+    url = f"{server.url}/v1/completions"
+    body = {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0.0}
+    plain = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    echoed = httpx.post(url, json={**body, "echo": True, "logprobs": 2}, timeout=120).json()
+    choice = echoed["choices"][0]
+    prompt_text = hf_reference.tokenizer.decode(ids)
+    assert choice["text"] == prompt_text + plain["text"]
+    lps = choice["logprobs"]
+    assert len(lps["tokens"]) == len(ids) + 4 and lps["token_logprobs"][0] is None
+    assert lps["top_logprobs"][0] is None
+    with torch.inference_mode():
+        want = torch.log_softmax(hf_reference.model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    for pos in range(1, len(ids)):
+        assert abs(lps["token_logprobs"][pos] - float(want[pos - 1, ids[pos]])) < 2e-3, pos
+        assert len(lps["top_logprobs"][pos]) <= 3
+    # streamed: the prompt comes in the first chunk, and the chunks add up to the whole
+    with httpx.stream("POST", url, json={**body, "echo": True, "logprobs": 2, "stream": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts[0].startswith(prompt_text) and "".join(texts) == choice["text"]
+    assert sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks), []) \
+        == lps["token_logprobs"]
+    only = httpx.post(url, json={**body, "echo": True, "max_tokens": 0}, timeout=120).json()
+    assert only["choices"][0]["text"] == prompt_text and only["usage"]["completion_tokens"] == 0

@@ -148,7 +148,7 @@ UNSUPPORTED_CHAT = [
     ("echo", True), ("add_special_tokens", True), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "x"}), ("prompt_logprobs", 1),
 ]
-UNSUPPORTED_COMPLETION = [("echo", True), ("best_of", 3)]
+UNSUPPORTED_COMPLETION = [("best_of", 3)]
 
 
 @pytest.mark.parametrize("name,value", UNSUPPORTED_BOTH + UNSUPPORTED_CHAT,

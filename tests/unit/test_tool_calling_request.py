@@ -173,3 +173,39 @@ def test_outputs_become_tool_calls():
                                    '{"city": "Lima"}}</tool_call>', "length")
     assert reason == "length" and json.loads(message.tool_calls[0].function.arguments) == {
         "city": "Lima"}
+
+
+@pytest.mark.parametrize("parser,keeps", [("deepseek_v3", True), ("hermes", False),
+                                          ("llama3_json", False)])
+def test_auto_keeps_special_tokens_where_the_markers_may_be_ones(parser, keeps):
+    chat = serving(enable_auto_tool_choice=True, tool_call_parser=parser)
+    assert prepare(chat, tools=[WEATHER]).skip_special_tokens is not keeps
+    assert prepare(chat, tools=[WEATHER], skip_special_tokens=True).skip_special_tokens
+    assert prepare(chat, tools=[WEATHER], tool_choice="none").skip_special_tokens
+
+
+class JoiningTemplateTokenizer(ToolTemplateTokenizer):
+    """Like DeepSeek's template: joins a call's arguments into the prompt as a string."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kwargs):
+        for m in messages:
+            for call in m.get("tool_calls", []):
+                "```json\n" + call["function"]["arguments"]  # TypeError on an object
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize, **kwargs)
+
+
+def test_a_template_that_joins_arguments_as_text_gets_the_clients_text():
+    tokenizer = JoiningTemplateTokenizer()
+    text = '{"city":   "Paris"}'
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": text}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    prepare(serving(tokenizer), messages=messages, tools=[WEATHER], tool_choice="none")
+    assert tokenizer.last["messages"][1]["tool_calls"][0]["function"]["arguments"] == text
+    # a template that fails either way is still a 400 on the messages
+    class Failing(JoiningTemplateTokenizer):
+        def apply_chat_template(self, messages, *args, **kwargs):
+            raise TypeError("broken template")
+    assert error(serving(Failing()), messages=messages).info.param == "messages"

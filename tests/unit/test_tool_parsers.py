@@ -90,3 +90,84 @@ def test_json_array_parser(step):
     got_content, got = assemble(parser, text, step)
     assert got_content == "" and [c["arguments"] for c in got] == [
         c["function"]["arguments"] for c in want]
+
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_V3 = ("I will look it up." + DS_BEGIN
+               + DS_CALL + "function" + DS_SEP + 'get_weather\n```json\n{"city": "Paris", '
+               '"days": [1, 2], "note": "use ```code``` \\"quoted\\""}\n```' + DS_CALL_END
+               + DS_CALL + "function" + DS_SEP + 'get_time\n```json\n{"tz": "CET", "n": -1.5e2}\n```'
+               + DS_CALL_END + DS_END)
+DEEPSEEK_V31 = (DS_BEGIN + DS_CALL + 'get_weather' + DS_SEP + '{"city": "Paris", "days": 3}'
+                + DS_CALL_END + DS_CALL + 'function' + DS_SEP + '{"x": true}' + DS_CALL_END + DS_END)
+LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris; France", '
+          '"days": 2}}; {"name": "get_time", "parameters": {"tz": "CET", "nested": {"a": [1.25]}}}')
+LLAMA3_BARE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+
+WANT = {
+    DEEPSEEK_V3: ("I will look it up.", [
+        ("get_weather", {"city": "Paris", "days": [1, 2], "note": 'use ```code``` "quoted"'}),
+        ("get_time", {"tz": "CET", "n": -150.0})]),
+    DEEPSEEK_V31: (None, [("get_weather", {"city": "Paris", "days": 3}),
+                          ("function", {"x": True})]),
+    LLAMA3: (None, [("get_weather", {"city": "Paris; France", "days": 2}),
+                    ("get_time", {"tz": "CET", "nested": {"a": [1.25]}})]),
+    LLAMA3_BARE: (None, [("get_weather", {"city": "Paris", "unit": "c"})]),
+}
+CASES = [("deepseek_v3", DEEPSEEK_V3), ("deepseek_v31", DEEPSEEK_V31),
+         ("llama3_json", LLAMA3), ("llama3_json", LLAMA3_BARE)]
+
+
+@pytest.mark.parametrize("name,text", CASES)
+def test_native_formats_extract_calls(name, text):
+    content, calls = extract_tool_calls(get_tool_parser(name), text)
+    want_content, want_calls = WANT[text]
+    assert content == want_content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == want_calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("name,text", CASES)
+def test_native_formats_stream_split_at_every_character(name, text):
+    parser = get_tool_parser(name)
+    want_content, want = extract_tool_calls(parser, text)
+    for step in (1, 2, 5, len(text)):
+        content, calls = assemble(parser, text, step)
+        assert (content.strip() or None) == want_content
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (w["function"]["name"], w["function"]["arguments"]) for w in want]
+
+
+def test_native_format_streams_content_before_calls_at_once_each_step():
+    # DeepSeek: the content arrives before the first call marker; nothing of the marker leaks.
+    streamer = ToolCallStreamer(get_tool_parser("deepseek_v3"))
+    head = DEEPSEEK_V3.index(DS_BEGIN)
+    sent = "".join(streamer.update(DEEPSEEK_V3[:end], False)[0] for end in range(1, head + 5))
+    assert sent == DEEPSEEK_V3[:head]
+
+
+@pytest.mark.parametrize("name,text", [
+    ("deepseek_v3", "plain answer, no calls"),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "function" + DS_SEP + "f\n```json\n{bad}\n```" + DS_CALL_END),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "function" + DS_CALL_END),
+    ("llama3_json", "The answer is {not a call}"),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}} trailing words'),
+    ("llama3_json", '{"parameters": {"x": 1}}'),
+    ("llama3_json", "[1, 2]"),
+    ("llama3_json", ""),
+])
+def test_native_formats_without_valid_calls_are_content(name, text):
+    content, calls = extract_tool_calls(get_tool_parser(name), text)
+    assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("name,text", [
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}} trailing words'),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "function" + DS_SEP + "f\n```json\n{bad}\n```" + DS_CALL_END),
+])
+def test_a_stream_that_turns_out_not_to_be_calls_sends_all_its_text(name, text):
+    for step in (1, 3, len(text)):
+        content, calls = assemble(get_tool_parser(name), text, step)
+        assert content == text
