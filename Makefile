@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit docs bench system-deps clean
+.PHONY: install run test test-slow test-all test-unit docs bench system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,7 +29,16 @@ system-deps:
 run: install
 	$(BIN)/deepinfer serve --demo
 
+# Two tiers. `make test`: everything not marked slow (unit tests of the pure core, kernels,
+# tiny random-weight models of every architecture against transformers, one real-model check).
+# `make test-slow`: the real model, servers, worker processes, Ray, Redis. CI runs both.
 test: install system-deps
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install system-deps
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: install system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-unit: install

@@ -64,6 +64,8 @@ class EngineClient:
     """Starts the engine process, multiplexes requests over its sockets, and (with a restart
     policy) restarts it when it dies."""
 
+    supports_prompt_logprobs = True  # its engine process forwards them (engine_proc)
+
     def __init__(self, engine_config, *, ready_timeout_s: float = 600.0,
                  log_level: str = "WARNING",
                  restart_policy: EngineRestartPolicy | None = None) -> None:

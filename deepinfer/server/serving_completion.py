@@ -113,6 +113,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
+        if prompt_logprobs is not None and not getattr(self.client, "supports_prompt_logprobs",
+                                                       False):
+            param = "prompt_logprobs" if request.prompt_logprobs is not None else "echo"
+            raise bad_request("prompt log-probs (prompt_logprobs, or echo with logprobs) are "
+                              "only available in colocated serving", param=param,
+                              code="unsupported_parameter")
         params = [self.make_sampling_params(
             request, self.resolve_max_tokens(len(p), max_tokens), request.logprobs,
             prompt_logprobs) for p in prompts]

@@ -16,7 +16,9 @@ from tests.integration.hf_reference import assert_matches_reference
 from tests.integration.prompt_corpus import (SHARED_PREFIX_LENGTH, distinct_prompts,
                                              shared_prefix_prompts)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# One real-model check against transformers runs in `make test` (the mixed-length batch); the
+# rest of the module is in the slow tier (`make test-slow`, run by CI).
+pytestmark = [pytest.mark.timeout(300)]
 
 MAX_TOKENS = 24
 BLOCK_SIZE = 16
@@ -58,6 +60,7 @@ def test_greedy_batch_of_mixed_lengths_matches_hf(make_engine_llm, hf_reference,
     assert all(out.num_cached_tokens == 0 for out in outputs)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_match_hf(make_engine_llm, hf_reference, shared):
     llm = make_engine_llm(enable_prefix_caching=True)
     first = generate_checked(llm, token_prompts(shared[:1]), GREEDY)
@@ -80,6 +83,7 @@ def test_prefix_cache_hits_match_hf(make_engine_llm, hf_reference, shared):
     assert_outputs_match(hf_reference, third, shared, "prefix hot")
 
 
+@pytest.mark.slow
 def test_chunked_prefill_matches_hf(make_engine_llm, hf_reference, distinct):
     # A 32-token budget forces every prompt above 32 tokens (up to 400) into many chunks,
     # mixed with other requests' decode tokens in the same steps.
@@ -90,6 +94,7 @@ def test_chunked_prefill_matches_hf(make_engine_llm, hf_reference, distinct):
     assert llm.engine.get_stats().num_steps >= -(-max(map(len, distinct)) // 32) + MAX_TOKENS - 1
 
 
+@pytest.mark.slow
 def test_compute_aware_chunks_match_hf(engine_base_llm, make_engine_llm, hf_reference, distinct,
                                        tmp_path):
     """Variable, block-aligned chunk sizes from the compute-aware policy (a synthetic cost
@@ -112,6 +117,7 @@ def test_compute_aware_chunks_match_hf(engine_base_llm, make_engine_llm, hf_refe
     assert llm.engine.get_stats().num_steps > MAX_TOKENS + 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_preemption_matches_hf(make_engine_llm, hf_reference, distinct, enable_prefix_caching):
     prompts = distinct[:6]  # 3..150 tokens
@@ -123,6 +129,7 @@ def test_preemption_matches_hf(make_engine_llm, hf_reference, distinct, enable_p
     assert_outputs_match(hf_reference, outputs, prompts, "preempted")
 
 
+@pytest.mark.slow
 def test_repeated_prompt_reports_cached_tokens(engine_base_llm, hf_reference):
     text = ("A binary search tree keeps its keys in sorted order, so an in-order walk visits "
             "them from the smallest to the largest. Explain why a balanced tree matters for "
@@ -141,6 +148,7 @@ def test_repeated_prompt_reports_cached_tokens(engine_base_llm, hf_reference):
     assert_matches_reference(ref, "repeated prompt")
 
 
+@pytest.mark.slow
 def test_string_and_token_prompts_mixed_keep_order(engine_base_llm, hf_reference, distinct):
     text = "The capital of France is"
     mixed = [text, {"prompt_token_ids": distinct[2]}, text + " not",

@@ -32,7 +32,7 @@ class StubTokenizer:
 
 def make(cls):
     client = SimpleNamespace(vocab_size=VOCAB, max_model_len=64, tokenizer=StubTokenizer(),
-                             is_healthy=True, dead_message=None)
+                             is_healthy=True, dead_message=None, supports_prompt_logprobs=True)
     return cls(client, None, ["m"], AdmissionGate(None, lambda: 0))
 
 

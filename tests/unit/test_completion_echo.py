@@ -142,3 +142,18 @@ def test_echo_with_suffix_is_a_400(app):
     http, _ = app
     r = http.post("/v1/completions", json={"prompt": "a", "suffix": "b", "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_a_client_without_prompt_logprobs_refuses_them_by_name():
+    class NoPromptLogprobs(EchoEngine):
+        supports_prompt_logprobs = False
+
+    engine = NoPromptLogprobs()
+    http = TestClient(build_app(engine, ServerConfig()))
+    for body, param in (({"echo": True, "logprobs": 1}, "echo"), ({"prompt_logprobs": 1},
+                                                                  "prompt_logprobs")):
+        r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert engine.requests == []
+    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("abc")
