@@ -125,6 +125,8 @@ def _run(args) -> int:
         raise CLIError("--enable-admin-api needs --admin-api-key or --api-key")
     if args.metrics_need_api_key and not args.api_key:
         raise CLIError("--metrics-need-api-key needs --api-key")
+    if args.loop_stall_timeout <= 0:
+        raise CLIError("--loop-stall-timeout must be > 0 seconds")
     if args.max_engine_restarts < 0:
         raise CLIError("--max-engine-restarts must be >= 0")
     from deepinfer.cli.engine_args import ep_config_from_args
@@ -156,6 +158,7 @@ def _run(args) -> int:
                           metrics_need_api_key=args.metrics_need_api_key,
                           log_level=args.uvicorn_log_level,
                           engine_restart=EngineRestartPolicy(args.max_engine_restarts),
+                          engine_loop_stall_timeout_s=args.loop_stall_timeout,
                           mm_model_path=vision_language_checkpoint(engine_config.model),
                           media_policy=media_policy, chat_options=chat_options)
     if args.demo:

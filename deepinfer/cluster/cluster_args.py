@@ -56,8 +56,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="seconds of silence after which a worker is removed from routing")
     g.add_argument("--loop-stall-timeout", type=float, default=30.0,
-                   help="seconds a worker's engine loop may go without advancing (a hung step) "
-                        "before it is taken out of routing; above the longest step")
+                   help="seconds an engine loop may go without advancing (a hung step, a "
+                        "stopped process) before its worker is taken out of routing, or the "
+                        "colocated engine is killed and restarted; above the longest step")
     from deepinfer.cluster.launcher import add_placement_args
     add_placement_args(parser)  # --cluster local|ray|ray://..., per-role Ray resources
 

@@ -55,6 +55,7 @@ class ServerConfig:
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     log_level: str = "warning"
     engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
+    engine_loop_stall_timeout_s: float | None = 30.0  # colocated: a silent engine is killed
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
     mm_model_path: str | None = None
     media_policy: Any = None  # deepinfer.multimodal.image_input.MediaPolicy; None = defaults
@@ -265,7 +266,8 @@ async def run_server(engine_config, config: ServerConfig, on_ready=None, client=
     import uvicorn
 
     client = client or EngineClient(engine_config, log_level=config.log_level,
-                                    restart_policy=config.engine_restart)
+                                    restart_policy=config.engine_restart,
+                                    loop_stall_timeout_s=config.engine_loop_stall_timeout_s)
     try:
         await client.start()
         app = build_app(client, config)

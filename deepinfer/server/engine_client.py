@@ -60,6 +60,9 @@ class _RequestFailed:
         self.error = error
 
 
+DEFAULT_LOOP_STALL_TIMEOUT_S = 30.0  # above the longest step (steps are budgeted in time)
+
+
 class EngineClient:
     """Starts the engine process, multiplexes requests over its sockets, and (with a restart
     policy) restarts it when it dies."""
@@ -68,8 +71,14 @@ class EngineClient:
 
     def __init__(self, engine_config, *, ready_timeout_s: float = 600.0,
                  log_level: str = "WARNING",
-                 restart_policy: EngineRestartPolicy | None = None) -> None:
+                 restart_policy: EngineRestartPolicy | None = None,
+                 loop_stall_timeout_s: float | None = DEFAULT_LOOP_STALL_TIMEOUT_S) -> None:
         self.engine_config = engine_config
+        # The engine reports after every step and at least once a second when idle, so a
+        # silence this long (process alive) is a hung step or a stopped process: it is killed
+        # and, with a restart policy, restarted. None: never.
+        self.loop_stall_timeout_s = loop_stall_timeout_s
+        self._last_report = 0.0  # monotonic time of the engine's last message
         self.ready_timeout_s = ready_timeout_s
         self.log_level = log_level
         self.model_name = ""
@@ -148,7 +157,7 @@ class EngineClient:
         self._stats = first_report.stats or EngineStatsSnapshot()
         self._num_requests_sent = 0
         self._dead_event.clear()
-        self._healthy_since = time.monotonic()
+        self._healthy_since = self._last_report = time.monotonic()
         self.dead_message = None  # re-admit traffic
         self._output_task = asyncio.create_task(
             self._output_loop(self._proc, self._input, self._output),
@@ -202,7 +211,14 @@ class EngineClient:
 
     @property
     def is_healthy(self) -> bool:
-        return (self.dead_message is None and self._proc is not None and self._proc.is_alive())
+        return (self.dead_message is None and self._proc is not None and self._proc.is_alive()
+                and (self.loop_stall_timeout_s is None
+                     or self.loop_age_s <= self.loop_stall_timeout_s))
+
+    @property
+    def loop_age_s(self) -> float:
+        """Seconds since the engine's last report (its loop reports every iteration)."""
+        return time.monotonic() - self._last_report
 
     @property
     def supervisor(self) -> EngineSupervisor:
@@ -287,7 +303,15 @@ class EngineClient:
                                                f"the engine process "
                                                f"{exit_message(proc.exitcode)}")
                     return
+                if self.loop_stall_timeout_s is not None and \
+                        self.loop_age_s > self.loop_stall_timeout_s:
+                    await self._on_engine_dead(
+                        proc, input_socket, output_socket,
+                        f"the engine loop did not advance for {self.loop_age_s:.0f} s (a hung "
+                        f"step or a stopped process); it was killed")
+                    return
                 continue
+            self._last_report = time.monotonic()
             message = await receive_message(output_socket, self._decoder.decode, "engine")
             if isinstance(message, EngineOutputs):
                 self._dispatch(message)

@@ -99,3 +99,52 @@ def test_killed_engine_is_restarted_and_serves_again(small_server, engine_base_l
     assert httpx.get(f"{url}/health").status_code == 200
     assert metric(scrape_metrics(url), "deepinfer:engine_restarts_total") == restarts + 1
     assert small_server.engine_pid() != old_pid and not psutil.pid_exists(old_pid)
+
+
+STALL_TIMEOUT_S = 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_engine_is_noticed_killed_and_restarted(engine_base_llm):
+    """SIGSTOP (the process lives, its loop does not advance): /health turns 503 within the
+    stall timeout (+ the output loop's 0.5 s poll), the request in flight fails naming the
+    stall, and the engine is killed and restarted to serve the same greedy tokens."""
+    from tests.integration.serve_process import SMALL_SERVER_ARGS, running_server
+
+    expected = OfflineReference(engine_base_llm).generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0.0, max_tokens=8)
+    )[0].outputs[0].token_ids
+    with running_server(*SMALL_SERVER_ARGS, "--loop-stall-timeout", str(STALL_TIMEOUT_S)) as server:
+        url = server.url
+        old_pid = server.engine_pid()
+
+        async def stop_with_a_request_in_flight():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                blocking = asyncio.create_task(http.post("/v1/completions", json=LONG))
+                await asyncio.to_thread(wait_for_metric, url, "deepinfer:num_requests_running",
+                                        lambda v: v >= 1)
+                os.kill(old_pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                while (await http.get("/health")).status_code == 200:
+                    assert time.monotonic() - stopped < STALL_TIMEOUT_S + 10, "never noticed"
+                    await asyncio.sleep(0.1)
+                noticed = time.monotonic() - stopped
+                health = (await http.get("/health")).json()
+                response = await blocking
+                return noticed, health, response.status_code, response.json()["error"]
+
+        noticed, health, status, error = asyncio.run(stop_with_a_request_in_flight())
+        assert STALL_TIMEOUT_S - 1 <= noticed <= STALL_TIMEOUT_S + 5, noticed
+        assert health == {"status": "unavailable"}
+        assert status == 500 and error["code"] == "engine_dead", error
+        assert "did not advance" in error["message"] and "restarting" in error["message"]
+
+        deadline = time.monotonic() + 180
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "not restarted"
+            time.sleep(0.2)
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+        assert response.json()["choices"][0]["token_ids"] == expected
+        assert server.engine_pid() != old_pid and not psutil.pid_exists(old_pid)
