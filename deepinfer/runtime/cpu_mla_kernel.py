@@ -82,12 +82,14 @@ class MLADecodeKernel:
 
 def reference_mla_decode(query: Tensor, entries: Tensor, tables: Tensor, lens: Tensor, rank: int,
                          scale: float) -> Tensor:
-    """The torch gather + SDPA result in float32 (the math of `mla_absorbed`, before W_UV)."""
+    """The torch gather + SDPA result (the math of `mla_absorbed`, before W_UV) in float32,
+    or float64 for float64 inputs."""
     num, num_heads, dim = query.shape
-    gathered = entries.index_select(0, tables.reshape(-1)).view(num, -1, dim).float()  # [B, C, D]
+    work = torch.promote_types(query.dtype, torch.float32)
+    gathered = entries.index_select(0, tables.reshape(-1)).view(num, -1, dim).to(work)  # [B, C, D]
     mask = (torch.arange(gathered.shape[1]) < lens[:, None])[:, None, None, :]
     keys = gathered.unsqueeze(1).expand(-1, num_heads, -1, -1)
-    out = F.scaled_dot_product_attention(query.float().unsqueeze(2), keys, keys[..., :rank],
+    out = F.scaled_dot_product_attention(query.to(work).unsqueeze(2), keys, keys[..., :rank],
                                          attn_mask=mask, scale=scale)  # [B, H, 1, r]
     return out[:, :, 0]
 
