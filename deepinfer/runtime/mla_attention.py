@@ -7,6 +7,10 @@ Decodes use the absorbed form (W_UK folded into the query, W_UV applied after at
 they read only the latent entries of their blocks. Prefill chunks expand per-head K/V from the
 latent (cheaper for many queries): from this step's own entries when the chunk has no cached
 prefix, else from the gathered prefix + chunk entries with an offset-causal mask.
+
+On CPU the decodes' absorbed attention runs in the C kernel (cpu_mla_kernel.py) when the
+runner passes one: it reads the entries through the block table, with no gather copy and no
+mask; the torch gather + SDPA path is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.layers.mla import MLAWeights, absorb_query, mla_absorbed, mla_expanded
+from deepinfer.runtime.cpu_mla_kernel import MLADecodeKernel
 from deepinfer.runtime.latent_kv_cache import PagedLatentKVCache
 from deepinfer.runtime.paged_attention import AttentionMetadata, PrefillChunkMetadata
 
@@ -21,9 +26,11 @@ from deepinfer.runtime.paged_attention import AttentionMetadata, PrefillChunkMet
 class PagedMLAAttention:
     """MLAAttentionBackend for one step (same metadata as `PagedAttention`)."""
 
-    def __init__(self, cache: PagedLatentKVCache, metadata: AttentionMetadata) -> None:
+    def __init__(self, cache: PagedLatentKVCache, metadata: AttentionMetadata,
+                 decode_kernel: MLADecodeKernel | None = None) -> None:
         self.cache = cache
         self.meta = metadata
+        self.decode_kernel = decode_kernel
 
     def forward_mla(self, layer_idx: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
                     k_pe: Tensor, weights: MLAWeights) -> Tensor:
@@ -41,9 +48,20 @@ class PagedMLAAttention:
     def _decode(self, q_nope: Tensor, q_pe: Tensor, entries: Tensor, weights: MLAWeights, out: Tensor) -> None:
         meta = self.meta.decode
         num = meta.num_tokens
+        if self.decode_kernel is not None and self.decode_kernel.supports(entries.dtype, entries.device):
+            query = absorb_query(q_nope[:num], q_pe[:num], weights)  # [B, H, r + rope]
+            rank = weights.w_uk.shape[-1]
+            o_latent = self.decode_kernel(query, entries, meta.block_ids.view(num, -1),
+                                          meta.context_lens, rank, weights.softmax_scale)  # [B, H, r]
+            out[:num] = torch.einsum("bhr,hvr->bhv", o_latent, weights.w_uv)
+            return
+        mask = meta.attn_mask
+        if mask is None:  # the runner builds no mask when it expects the kernel
+            ctx = torch.arange(meta.block_ids.numel() // num * entries.shape[1], device=entries.device)
+            mask = (ctx.unsqueeze(0) < meta.context_lens.unsqueeze(1))[:, None, None, :]
         gathered = entries.index_select(0, meta.block_ids).view(num, -1, entries.shape[-1])  # [B, ctx, D]
         query = absorb_query(q_nope[:num], q_pe[:num], weights).unsqueeze(2)  # [B, H, 1, r + rope]
-        out[:num] = mla_absorbed(query, gathered, weights, meta.attn_mask)[:, 0]  # [B, H, v]
+        out[:num] = mla_absorbed(query, gathered, weights, mask)[:, 0]  # [B, H, v]
 
     def _prefill(self, chunk: PrefillChunkMetadata, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
                  k_pe: Tensor, entries: Tensor, weights: MLAWeights, out: Tensor) -> None:

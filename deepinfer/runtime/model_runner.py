@@ -33,8 +33,13 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         kernel = load_decode_kernel() if device.type == "cpu" else None
         self.decode_kernel = kernel if kernel and kernel.supports(cache.spec.dtype, device) else None
+        # MLA (latent cache): the C absorbed-form decode kernel instead, when it takes the dtype.
+        self.mla_kernel = None
         if getattr(cache.spec, "is_latent", False):
             self.decode_kernel = None  # the C kernel reads per-head K/V blocks
+            from deepinfer.runtime.cpu_mla_kernel import load_mla_kernel
+            mla = load_mla_kernel() if device.type == "cpu" else None
+            self.mla_kernel = mla if mla and mla.supports(cache.spec.dtype, device) else None
         # The C prefill attention kernel for bf16 caches (PagedAttention keeps SDPA for head
         # shapes it does not take); None on other devices and dtypes.
         self.prefill_kernel = (load_prefill_kernel() if device.type == "cpu"
@@ -91,7 +96,7 @@ class ModelRunner:
         """Per-head K/V cache -> PagedAttention; latent (MLA) cache -> PagedMLAAttention."""
         if getattr(self.cache.spec, "is_latent", False):
             from deepinfer.runtime.mla_attention import PagedMLAAttention
-            return PagedMLAAttention(self.cache, meta)
+            return PagedMLAAttention(self.cache, meta, self.mla_kernel)
         if self.device.type == "cuda":  # FlashInfer or mask-free SDPA (runtime/cuda_attention.py)
             if getattr(self, "cuda_attention", None) is None:
                 from deepinfer.runtime.cuda_attention import CudaAttentionBuilder
@@ -112,7 +117,11 @@ class ModelRunner:
         if self.input_batch is None or len(ordered) < self.persistent_min_requests:
             return self._prepare(ordered)
         return self.input_batch.prepare(ordered, self._as_decode, self._prefill_meta,
-                                        need_mask=self.decode_kernel is None)
+                                        need_mask=self._needs_decode_mask())
+
+    def _needs_decode_mask(self) -> bool:
+        """The C kernels read context_lens; SDPA needs a mask."""
+        return self.decode_kernel is None and getattr(self, "mla_kernel", None) is None
 
     def _forget_rows(self, output: SchedulerOutput) -> None:
         if self.sampler.grammar is not None:  # a preempted request's matcher is rebuilt
@@ -167,7 +176,7 @@ class ModelRunner:
         context_lens = torch.tensor(lens, dtype=torch.long, device=dev)
         block_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(-1)
         mask = None
-        if self.decode_kernel is None:  # the C kernel reads context_lens, SDPA needs a mask
+        if self._needs_decode_mask():
             ctx = torch.arange(width * self.block_size, device=dev)
             mask = (ctx.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]  # [B, 1, 1, ctx]
         return DecodeMetadata(len(tables), block_ids, mask, context_lens)
