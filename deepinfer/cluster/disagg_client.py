@@ -681,8 +681,9 @@ class DisaggClient:
         looks like any other KV (same shapes), so a hand-off or a store block between such
         workers would be a silently wrong answer. E.g. a model path that holds other files
         on another machine (Ray)."""
-        if not ready.weights_fingerprint:
-            return None  # a worker that does not say (older build): nothing to compare
+        if not ready.weights_fingerprint:  # nothing to compare: it cannot be trusted with KV
+            return (f"{ready.worker_id} reported no weights fingerprint (a build that does "
+                    f"not say which files it loaded); its KV could not be checked")
         if not self.weights_fingerprint:
             self.weights_fingerprint = ready.weights_fingerprint
             return None

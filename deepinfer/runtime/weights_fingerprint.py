@@ -1,38 +1,34 @@
-"""A cheap, deterministic fingerprint of a model's files: the shared KV store's namespace.
+"""A deterministic fingerprint of a model's files: the shared KV store's namespace.
 
 Two checkpoints that only share a name (two fine-tunes both called `model.Q4_K_M.gguf`, two
 HF folders both called `llama`) must never share KV blocks, and the same files must give the
 same fingerprint in every process and on every machine. So the fingerprint hashes contents
-only (never paths, mtimes or the host), each file named relative to the model's root:
-
-- files up to `FULL_HASH_MAX_BYTES` (configs, tokenizers, small models): every byte;
-- larger files: their size, the whole header (a safetensors JSON header, or the first
-  `HEAD_BYTES` of anything else: a GGUF's metadata, tokenizer and tensor-info table) and
-  `NUM_WINDOWS` windows of `WINDOW_BYTES` spread evenly over the rest.
+only (never paths, mtimes or the host), every byte of every file, each file named relative to
+the model's root. (An earlier version sampled windows of big files: two fine-tunes differing
+only between windows would have shared KV, silently wrong.)
 
 A checkpoint folder's image-processor configs (`PREPROCESSING_FILES`) are always added when
 present: two checkpoints with equal weights but other preprocessing (image size, mean/std,
 crop) give other image embeddings, so they must not share stored embeddings or KV blocks.
 
-A large file is thus read for ~36 MiB, not its size. Names, shapes, dtypes and metadata are
-always covered; another fine-tune or quantisation changes every window. An edit confined to
-the bytes between two windows of a large file is not seen (the price of not reading it all).
-Stdlib only.
+Reading a 700 GB checkpoint takes minutes, so each file's digest is cached on this machine
+(`<cache dir>/deepinfer/fingerprints.json`, written atomically) under its real path, size,
+inode, mtime and ctime: any write to the file changes its ctime, which no user can set back,
+so a cached digest is never reused for changed contents. Stdlib only.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
+import tempfile
 from collections.abc import Sequence
 
-FORMAT = b"deepinfer-weights-fingerprint-v1"
-FULL_HASH_MAX_BYTES = 256 * 1024**2
-HEAD_BYTES = 32 * 1024**2
-NUM_WINDOWS = 1024
-WINDOW_BYTES = 4096
-_MAX_SAFETENSORS_HEADER = 100 * 1024**2  # the format's own limit
+FORMAT = b"deepinfer-weights-fingerprint-v2"
 PREPROCESSING_FILES = ("preprocessor_config.json", "processor_config.json")
+CACHE_FILE = "fingerprints.json"
+_MAX_CACHE_ENTRIES = 4096
 
 
 def weights_fingerprint(root: str, files: Sequence[str]) -> str:
@@ -54,38 +50,62 @@ def weights_fingerprint(root: str, files: Sequence[str]) -> str:
 
 
 def file_digest(path: str) -> bytes:
-    """A digest of the file's size and all its bytes, or its header and sampled windows."""
-    size = os.path.getsize(path)
+    """A digest of the file's size and all its bytes (cached per file version)."""
+    stat = os.stat(path)
+    key = os.path.realpath(path)
+    version = [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
+    cache = _load_cache()
+    entry = cache.get(key)
+    if isinstance(entry, dict) and entry.get("version") == version:
+        try:
+            return bytes.fromhex(entry["digest"])
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: hash again
+    digest = _hash_file(path, stat.st_size)
+    if os.stat(path).st_ctime_ns == stat.st_ctime_ns:  # not written to while we read it
+        cache[key] = {"version": version, "digest": digest.hex()}
+        _save_cache(cache)
+    return digest
+
+
+def _hash_file(path: str, size: int) -> bytes:
     h = hashlib.blake2b(struct.pack("<Q", size), digest_size=16)
     with open(path, "rb") as f:
-        if size <= FULL_HASH_MAX_BYTES:
-            _update_range(h, f, 0, size)
-            return b"F" + h.digest()
-        head = _header_length(f, size)
-        _update_range(h, f, 0, head)
-        span = size - head - WINDOW_BYTES
-        for i in range(NUM_WINDOWS):
-            f.seek(head + span * i // (NUM_WINDOWS - 1))
-            h.update(f.read(WINDOW_BYTES))
-    return b"S" + h.digest()
+        remaining = size
+        while remaining > 0:
+            data = f.read(min(1 << 22, remaining))
+            if not data:
+                raise OSError(f"{path} shrank while being fingerprinted")
+            h.update(data)
+            remaining -= len(data)
+    return b"F" + h.digest()
 
 
-def _header_length(f, size: int) -> int:
-    """Bytes of the file's header: exact for safetensors, `HEAD_BYTES` for anything else."""
-    f.seek(0)
-    prefix = f.read(9)
-    if len(prefix) == 9 and prefix[8:9] == b"{":  # safetensors: u64 header length + JSON
-        (n,) = struct.unpack("<Q", prefix[:8])
-        if n <= _MAX_SAFETENSORS_HEADER and 8 + n + WINDOW_BYTES <= size:
-            return 8 + n
-    return min(HEAD_BYTES, size - WINDOW_BYTES)
+def cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "deepinfer", CACHE_FILE)
 
 
-def _update_range(h, f, start: int, length: int, chunk: int = 1 << 20) -> None:
-    f.seek(start)
-    while length > 0:
-        data = f.read(min(chunk, length))
-        if not data:
-            raise OSError(f"{f.name} shrank while being fingerprinted")
-        h.update(data)
-        length -= len(data)
+def _load_cache() -> dict:
+    try:
+        with open(cache_path(), encoding="utf-8") as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache: dict) -> None:
+    """Best effort (a read-only home only costs a re-hash next time); atomic, so concurrent
+    workers never read half a file."""
+    if len(cache) > _MAX_CACHE_ENTRIES:  # drop the oldest entries (dicts keep insertion order)
+        cache = dict(list(cache.items())[-_MAX_CACHE_ENTRIES:])
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fingerprints-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -93,37 +93,42 @@ def test_same_checkpoint_gets_the_same_salt_in_another_process(tmp_path):
 
 
 @pytest.fixture
-def small_limits(monkeypatch):
-    """Make 64 KiB files 'large' so the sampled path is exercised on small files."""
-    monkeypatch.setattr(wf, "FULL_HASH_MAX_BYTES", 16 * 1024)
-    monkeypatch.setattr(wf, "HEAD_BYTES", 4096)
-    monkeypatch.setattr(wf, "NUM_WINDOWS", 8)
-    monkeypatch.setattr(wf, "WINDOW_BYTES", 256)
+def cache_home(monkeypatch, tmp_path):
+    """The digest cache in this test's own folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
-def sampled_digest(tmp_path, data: bytes) -> bytes:
+def test_a_change_anywhere_in_a_large_file_changes_its_digest(cache_home, tmp_path):
     path = tmp_path / "w.bin"
+    data = bytes(range(256)) * 4096  # 1 MiB
     path.write_bytes(data)
-    return wf.file_digest(str(path))
-
-
-def test_large_files_are_sampled_header_and_windows(small_limits, tmp_path):
-    data = bytes(range(256)) * 256  # 64 KiB
-    base = sampled_digest(tmp_path, data)
-    assert sampled_digest(tmp_path, data) == base
-    span = len(data) - 4096 - 256
-    in_window = 4096 + span * 3 // 7 + 10  # inside window 3
-    for offset in (100, in_window, len(data) - 1):  # header, a window, the last window
+    base = wf.file_digest(str(path))
+    for offset in (0, 12345, len(data) // 2 + 7, len(data) - 1):  # every byte counts
         changed = bytearray(data)
         changed[offset] ^= 0xFF
-        assert sampled_digest(tmp_path, bytes(changed)) != base, offset
-    assert sampled_digest(tmp_path, data + b"\0") != base
+        path.write_bytes(bytes(changed))
+        assert wf.file_digest(str(path)) != base, offset
+    path.write_bytes(data + b"\0")
+    assert wf.file_digest(str(path)) != base
+    path.write_bytes(data)
+    assert wf.file_digest(str(path)) == base
 
 
-def test_safetensors_header_is_hashed_whole(small_limits, tmp_path):
-    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}' + b" " * 6000 + b"}"
-    data = len(header).to_bytes(8, "little") + header + bytes(64 * 1024)
-    base = sampled_digest(tmp_path, data)
-    changed = bytearray(data)
-    changed[8 + 5000] = ord("x")  # past HEAD_BYTES, inside the JSON header
-    assert sampled_digest(tmp_path, bytes(changed)) != base
+def test_digests_are_cached_per_file_version(cache_home, tmp_path, monkeypatch):
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"a" * 100_000)
+    first = wf.file_digest(str(path))
+    assert (cache_home / "deepinfer" / wf.CACHE_FILE).is_file()
+    reads = []
+    real_hash = wf._hash_file
+    monkeypatch.setattr(wf, "_hash_file", lambda *a: reads.append(a) or real_hash(*a))
+    assert wf.file_digest(str(path)) == first and reads == []  # from the cache
+    # Same size, mtime put back: the ctime still moves, so the file is read again.
+    stat = os.stat(path)
+    path.write_bytes(b"b" * 100_000)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert wf.file_digest(str(path)) != first and len(reads) == 1
+    # A damaged cache file is ignored, never trusted.
+    (cache_home / "deepinfer" / wf.CACHE_FILE).write_text("{not json")
+    assert wf.file_digest(str(path)) == real_hash(str(path), 100_000)

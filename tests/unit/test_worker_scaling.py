@@ -119,7 +119,8 @@ def test_an_added_worker_is_routed_to_only_after_it_is_ready_and_reported():
                 await asyncio.wait_for(task, 10)
             enc = ChannelSender(channel_name("worker.output", client._output_addr))
             out.send(enc.encode(WorkerReady("prefill-1", "prefill", 4000, "tcp://127.0.0.1:1",
-                                            "m", 4096, 1000, BLOCK, 64, 16, TokenizerFiles())))
+                                            "m", 4096, 1000, BLOCK, 64, 16, TokenizerFiles(),
+                                            weights_fingerprint="f" * 32)))
             new = SimpleNamespace(load_report=workers["p0"].load_report)
             out.send(enc.encode(WorkerReport("prefill-1", new.load_report(), WorkerCounters())))
             await until(lambda: handle.alive, "prefill-1 admitted")

@@ -55,3 +55,12 @@ def test_a_worker_with_other_weights_never_joins():
         assert handle.ready is not None and not handle.proc.killed
 
     run_front(test, max_worker_restarts=3)
+
+
+def test_a_worker_that_reports_no_fingerprint_never_joins():
+    async def test(client, workers):
+        assert await client._on_startup_message(ready("p0", "prefill", "a" * 32)) == "p0"
+        with pytest.raises(EngineDeadError, match="d0 reported no weights fingerprint"):
+            await client._on_startup_message(ready("d0", "decode", ""))
+
+    run_front(test, max_worker_restarts=3)
