@@ -6,7 +6,8 @@ the scheme is http or https (no https -> http downgrade), the host is one of
 `--allow-private-media` (link-local, multicast and unspecified addresses are refused even then:
 169.254.169.254 is the cloud metadata service). The connection then goes to the checked
 address itself, so a second DNS answer cannot swap in another one (TLS still verifies the
-host name). One deadline covers the whole fetch, redirects and a slow body included; the body
+host name). One deadline covers the whole fetch, name resolution (a resolver that never answers),
+redirects and a slow body included; the body
 is capped in bytes and must be declared as a PNG, JPEG or WebP image.
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ from dataclasses import dataclass
 
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _READ_CHUNK = 64 * 1024
+# getaddrinfo cannot be interrupted, so a lookup past the deadline is abandoned to its thread;
+# this bounds how many such threads hostile host names can leave behind at once.
+MAX_CONCURRENT_LOOKUPS = 16
+_lookups = threading.BoundedSemaphore(MAX_CONCURRENT_LOOKUPS)
 
 
 class MediaFetchError(ValueError):
@@ -54,7 +59,7 @@ def fetch_remote(url: str, rules: FetchRules) -> bytes:
     previous: _Target | None = None
     for _ in range(rules.max_redirects + 1):
         target = _check_url(url, rules, previous)
-        address = _checked_address(target, rules)
+        address = _checked_address(target, rules, deadline)
         status, location, body = _get(target, address, rules, deadline)
         if status not in REDIRECT_STATUSES:
             return body
@@ -101,13 +106,38 @@ def is_refused_address(address: str, allow_private: bool) -> bool:
     return not (ip.is_global or allow_private)
 
 
-def _checked_address(target: _Target, rules: FetchRules) -> str:
+def _resolve(target: _Target, rules: FetchRules, deadline: float) -> list:
+    """getaddrinfo on a thread, waited for until the fetch's deadline at most."""
+    if not _lookups.acquire(timeout=_remaining(deadline, rules)):
+        raise MediaFetchError(f"Too many image host lookups in progress; resolving "
+                              f"{target.host} did not start within {rules.timeout_s:g} s")
+    result: dict = {}
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            result["infos"] = socket.getaddrinfo(target.host, target.port,
+                                                 type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            result["error"] = exc
+        finally:
+            _lookups.release()
+            done.set()
+
+    threading.Thread(target=lookup, name="media-dns", daemon=True).start()
+    if not done.wait(_remaining(deadline, rules)):
+        raise MediaFetchError(f"Resolving the image host {target.host} took longer than "
+                              f"{rules.timeout_s:g} s (--media-fetch-timeout)")
+    if "error" in result:
+        raise MediaFetchError(f"Could not resolve the image host {target.host}: "
+                              f"{result['error']}")
+    return result["infos"]
+
+
+def _checked_address(target: _Target, rules: FetchRules, deadline: float) -> str:
     """The address to connect to: every address of the host must pass (a host that answers
     with one public and one private address could be steered to either)."""
-    try:
-        infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise MediaFetchError(f"Could not resolve the image host {target.host}: {exc}") from None
+    infos = _resolve(target, rules, deadline)
     addresses = [info[4][0] for info in infos]
     for address in addresses:
         if is_refused_address(address, rules.allow_private):

@@ -130,6 +130,37 @@ def test_a_slow_body_is_cut_at_the_total_deadline(server):
     assert time.monotonic() - started < len(PNG) * 0.2 / 4
 
 
+def test_a_resolver_that_never_answers_is_cut_at_the_deadline(monkeypatch):
+    from deepinfer.multimodal import media_fetch
+    release = threading.Event()
+
+    def stuck_lookup(*args, **kwargs):
+        release.wait(30)
+        raise OSError("released")
+
+    monkeypatch.setattr(media_fetch.socket, "getaddrinfo", stuck_lookup)
+    started = time.monotonic()
+    try:
+        refused("http://slow-dns.example/img.png", "Resolving the image host slow-dns.example "
+                "took longer than 0.5 s", allowed_media_domains=("slow-dns.example",),
+                media_fetch_timeout_s=0.5)
+        assert time.monotonic() - started < 3
+        # The abandoned lookups are bounded: with every slot held, a new fetch is refused at
+        # its own deadline instead of starting another thread.
+        for _ in range(media_fetch.MAX_CONCURRENT_LOOKUPS - 1):
+            with pytest.raises(ImageInputError):
+                load_image("http://slow-dns.example/a.png", policy(
+                    allowed_media_domains=("slow-dns.example",), media_fetch_timeout_s=0.05))
+        refused("http://slow-dns.example/b.png", "Too many image host lookups",
+                allowed_media_domains=("slow-dns.example",), media_fetch_timeout_s=0.2)
+    finally:
+        release.set()  # the stuck lookups end and give their slots back
+    deadline = time.monotonic() + 10
+    while media_fetch._lookups._value < media_fetch.MAX_CONCURRENT_LOOKUPS:
+        assert time.monotonic() < deadline, "lookup slots not returned"
+        time.sleep(0.01)
+
+
 def test_size_cap_and_content_type(server):
     private = dict(allow_private_media=True, max_image_bytes=len(PNG) + 100)
     assert load_image(f"{server}/img.png", policy(**private)).size == (8, 6)
