@@ -188,7 +188,11 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).to_response()
 
-    @app.get("/health")
+    @app.get("/health", responses={
+        200: {"description": "Serving", "content": {"application/json": {
+            "example": {"status": "ok"}}}},
+        503: {"description": "The engine is down, restarting or its loop is stalled",
+              "content": {"application/json": {"example": {"status": "unavailable"}}}}})
     async def health() -> JSONResponse:  # 503 while the engine is down or restarting
         healthy = client.is_healthy
         return JSONResponse({"status": "ok" if healthy else "unavailable"},

@@ -70,3 +70,8 @@ def test_serve_has_a_default_waiting_limit_and_zero_lifts_it():
     register(parser.add_subparsers())
     assert parser.parse_args(["serve"]).max_waiting_requests == DEFAULT_MAX_WAITING > 0
     assert parser.parse_args(["serve", "--max-waiting-requests", "0"]).max_waiting_requests == 0
+
+
+def test_openapi_documents_both_health_statuses():
+    schema = TestClient(build_app(FakeEngineClient(), ServerConfig())).get("/openapi.json").json()
+    assert {"200", "503"} <= set(schema["paths"]["/health"]["get"]["responses"])
