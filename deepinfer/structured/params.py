@@ -29,6 +29,10 @@ class StructuredOutputsParams:
                 raise InvalidParameter("structured_outputs",
                                        "json must be a JSON schema (JSON text or an object)") from None
         if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)):  # list("ab") would be ["a", "b"]
+                from deepinfer.sampling_params import InvalidParameter
+                raise InvalidParameter("structured_outputs",
+                                       "choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
         self._validate()
 

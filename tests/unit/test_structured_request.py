@@ -69,6 +69,8 @@ def test_no_constraint(prepare, fields):
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": 1.0}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
 ])
