@@ -186,7 +186,9 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).to_response()
+        # Starlette's own headers survive (a 405's Allow names the methods the path takes).
+        return APIError(exc.status_code, str(exc.detail), type=kind,
+                        headers=dict(exc.headers) if exc.headers else None).to_response()
 
     @app.get("/health", responses={
         200: {"description": "Serving", "content": {"application/json": {

@@ -75,3 +75,12 @@ def test_serve_has_a_default_waiting_limit_and_zero_lifts_it():
 def test_openapi_documents_both_health_statuses():
     schema = TestClient(build_app(FakeEngineClient(), ServerConfig())).get("/openapi.json").json()
     assert {"200", "503"} <= set(schema["paths"]["/health"]["get"]["responses"])
+
+
+def test_a_wrong_method_is_a_405_that_says_which_methods_the_path_takes():
+    http = TestClient(build_app(FakeEngineClient(), ServerConfig()))
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = http.post("/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
