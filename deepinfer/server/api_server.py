@@ -93,6 +93,10 @@ def _documented_body(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+# `stream: true` answers are server-sent events (data: <chunk JSON> lines, then data: [DONE]).
+_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
 def _error_responses() -> dict:
     doc = {400: "Invalid request", 401: "Missing or wrong API key",
            413: "Request body over --max-request-body-bytes",
@@ -200,7 +204,8 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
         return JSONResponse({"status": "ok" if healthy else "unavailable"},
                             status_code=200 if healthy else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition", "content": {CONTENT_TYPE: {}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -226,14 +231,16 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions", openapi_extra=_documented_body(CompletionRequest),
               responses={200: {"model": CompletionResponse, "description": "The completion "
-                               "(a text/event-stream of such chunks when `stream`)"},
+                               "(a text/event-stream of such chunks when `stream`)",
+                               "content": _EVENT_STREAM},
                          **_error_responses()})
     async def completions(raw_request: Request) -> Response:
         return await serve(raw_request, CompletionRequest, completion)
 
     @app.post("/v1/chat/completions", openapi_extra=_documented_body(ChatCompletionRequest),
               responses={200: {"model": ChatCompletionResponse, "description": "The chat "
-                               "completion (a text/event-stream of chunks when `stream`)"},
+                               "completion (a text/event-stream of chunks when `stream`)",
+                               "content": _EVENT_STREAM},
                          **_error_responses()})
     async def chat_completions(raw_request: Request) -> Response:
         return await serve(raw_request, ChatCompletionRequest, chat)

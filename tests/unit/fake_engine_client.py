@@ -22,6 +22,9 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(32 + t % 90) for t in ids)
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [chr(32 + t % 90) for t in ids]
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ">"
 
