@@ -42,19 +42,26 @@ def weights_fingerprint(root: str, files: Sequence[str]) -> str:
         named = {os.path.abspath(p) for p in files}
         files += [p for p in (os.path.join(root, f) for f in PREPROCESSING_FILES)
                   if os.path.isfile(p) and os.path.abspath(p) not in named]
+    cache = _load_cache()  # read once and written once for all the checkpoint's files
+    before = dict(cache)
     for path in sorted(files, key=lambda p: os.path.relpath(p, base)):
         name = "" if single else os.path.relpath(path, base).replace(os.sep, "/")
         name_bytes = name.encode()
-        h.update(struct.pack("<Q", len(name_bytes)) + name_bytes + file_digest(path))
+        h.update(struct.pack("<Q", len(name_bytes)) + name_bytes + file_digest(path, cache))
+    if cache != before:  # some file was hashed
+        _save_cache(cache)
     return h.hexdigest()
 
 
-def file_digest(path: str) -> bytes:
-    """A digest of the file's size and all its bytes (cached per file version)."""
+def file_digest(path: str, cache: dict | None = None) -> bytes:
+    """A digest of the file's size and all its bytes, cached per file version: in `cache`
+    (the caller saves it), else in the cache file directly."""
+    own = cache is None
+    if own:
+        cache = _load_cache()
     stat = os.stat(path)
     key = os.path.realpath(path)
     version = [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
-    cache = _load_cache()
     entry = cache.get(key)
     if isinstance(entry, dict) and entry.get("version") == version:
         try:
@@ -64,7 +71,8 @@ def file_digest(path: str) -> bytes:
     digest = _hash_file(path, stat.st_size)
     if os.stat(path).st_ctime_ns == stat.st_ctime_ns:  # not written to while we read it
         cache[key] = {"version": version, "digest": digest.hex()}
-        _save_cache(cache)
+        if own:
+            _save_cache(cache)
     return digest
 
 
