@@ -21,7 +21,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from deepinfer.runtime.cpu_kernel_build import load_kernel_library, mismatch, self_test
+from deepinfer.runtime.cpu_kernel_build import (bind_per_dtype, load_kernel_library, mismatch,
+                                                 self_test)
 
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
 _SYMBOLS = {torch.bfloat16: "paged_decode_attention_bf16",
@@ -36,10 +37,7 @@ _SELF_TEST_SHAPES = [(2, 3, 17, 5), (1, 8, 64, 16), (3, 1, 128, 1), (2, 4, 80, 1
 class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL,
                  dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
-        self._fns = {dtype: getattr(lib, _SYMBOLS[dtype]) for dtype in dtypes}
-        for fn in self._fns.values():
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
+        self._fns = bind_per_dtype(lib, _SYMBOLS, dtypes, _ARGTYPES)
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in self._fns

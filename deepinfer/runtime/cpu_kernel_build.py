@@ -120,6 +120,15 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def bind_per_dtype(lib: ctypes.CDLL, symbols: dict, dtypes, argtypes: list) -> dict:
+    """{dtype: the library's entry point for it}, each typed `argtypes` -> int (status)."""
+    fns = {dtype: getattr(lib, symbols[dtype]) for dtype in dtypes}
+    for fn in fns.values():
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return fns
+
+
 _VERDICTS: dict[tuple[str, str], bool] = {}
 
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepinfer.runtime.cpu_kernel_build import load_kernel_library, mismatch, self_test
+from deepinfer.runtime.cpu_kernel_build import (bind_per_dtype, load_kernel_library, mismatch,
+                                                 self_test)
 
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
 _SYMBOLS = {torch.bfloat16: "mla_decode_bf16", torch.float32: "mla_decode_f32"}
@@ -47,10 +48,7 @@ def enabled() -> bool:
 class MLADecodeKernel:
     def __init__(self, lib: ctypes.CDLL,
                  dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
-        self._fns = {dtype: getattr(lib, _SYMBOLS[dtype]) for dtype in dtypes}
-        for fn in self._fns.values():
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
+        self._fns = bind_per_dtype(lib, _SYMBOLS, dtypes, _ARGTYPES)
         lib.mla_decode_isa.restype = ctypes.c_int
         self.isa_name = ISA_NAMES[lib.mla_decode_isa()]
         self._lib = lib
