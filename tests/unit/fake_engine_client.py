@@ -32,7 +32,6 @@ class CharTokenizer:
 class FakeEngineClient:
     model_name, max_model_len, vocab_size = "m", 64, VOCAB
     is_healthy, dead_message, num_waiting_requests = True, None, 0
-    supports_prompt_logprobs = True
     stats = EngineStatsSnapshot()
 
     def __init__(self) -> None:

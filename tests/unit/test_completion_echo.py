@@ -28,6 +28,8 @@ class EchoEngine(FakeEngineClient):
     """Answers with the prompt's first tokens (as the base), each with a log-prob, and the
     prompt log-probs on the first delta when asked for them."""
 
+    supports_prompt_logprobs = True
+
     async def generate(self, request_id, prompt_token_ids, params, arrival_time=None,
                        mm_inputs=None):
         self.requests.append((list(prompt_token_ids), params))
