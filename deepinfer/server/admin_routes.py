@@ -22,7 +22,7 @@ MAX_SCALE_COUNT = 1024
 
 
 class ScaleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["prefill", "decode"]
     count: int = Field(ge=1, le=MAX_SCALE_COUNT)

@@ -43,7 +43,14 @@ class ErrorResponse(BaseModel):
 # --- shared pieces -----------------------------------------------------------------------------
 
 
+# Requests are validated strictly (no "2" for an int, no false for a token id): the body must
+# be what the published schema says, so a client's mistake is a 400 instead of a guess.
+STRICT_REQUEST = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM; not implemented: True is a 400
 
@@ -84,7 +91,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 class _SamplingFields(BaseModel):
     """Sampling options shared by both endpoints (OpenAI names, then vLLM extensions)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_REQUEST
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=128)
@@ -196,7 +203,7 @@ _MESSAGE_SCHEMA = {
                 "properties": {"type": {"type": "string", "const": "text"},
                                "text": {"type": "string"}}}},
             {"type": "null"}]},
-        "name": {"type": "string"}},
+        "name": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
 }
 
 

@@ -43,13 +43,18 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise bad_request(f"messages[{i}].content: only text parts are supported",
                                       param=f"messages[{i}].content")
-                texts.append(str(part.get("text", "")))
+                if not isinstance(part.get("text", ""), str):
+                    raise bad_request(f"messages[{i}].content: a text part's text must be a "
+                                      "string", param=f"messages[{i}].content")
+                texts.append(part.get("text", ""))
             content = "\n".join(texts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of parts",
                               param=f"messages[{i}].content")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise bad_request(f"messages[{i}].name must be a string", param=f"messages[{i}].name")
         out.append({"role": "system" if role == "developer" else role, "content": content,
                     **message_tool_fields(i, message)})
     return out

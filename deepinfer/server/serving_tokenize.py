@@ -25,7 +25,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
 class _TokenizeBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     return_token_strs: bool = False
@@ -53,7 +53,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
