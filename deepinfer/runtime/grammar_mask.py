@@ -6,11 +6,13 @@ rolling back what the row no longer has and accepting what it adds. So nothing n
 tell the masker about accepted tokens, preemption, a failed step that is redone, or a decode
 worker that continues another worker's request: it reads the output it is given. A
 verification of speculative drafts masks its row j after drafts [:j]; once the drafts are
-settled the next step rolls the matcher back to the accepted ones.
+settled the next step rolls the matcher back to the accepted ones. Matchers are xgrammar's or
+llguidance's (structured/grammars.py picks per spec); both fill the same bitmask.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import xgrammar as xgr
 from torch import Tensor
@@ -26,7 +28,7 @@ MAX_ROLLBACK_TOKENS = 64
 @dataclass
 class _Tracked:
     key: tuple
-    matcher: xgr.GrammarMatcher
+    matcher: Any  # xgr.GrammarMatcher, or structured.llguidance_grammar.LLGuidanceMatcher
     accepted: list[int] = field(default_factory=list)  # output tokens the matcher has taken
 
 
@@ -68,7 +70,7 @@ class GrammarMasker:
             logits[i].fill_(float("-inf"))
             logits[i, keep] = kept
 
-    def _synced(self, r: ScheduledRequest) -> xgr.GrammarMatcher | None:
+    def _synced(self, r: ScheduledRequest) -> Any | None:
         spec = r.sampling_params.structured_outputs
         history = r.history_token_ids
         if history is None:
@@ -102,7 +104,7 @@ class GrammarMasker:
             compiled = self.cache.get(spec)
         except ValueError as e:  # checked when the request was added; not this step's fault
             raise RequestFault([r.request_id], str(e)) from None
-        tracked = _Tracked(spec.key(), xgr.GrammarMatcher(compiled))  # rollback is unlimited
+        tracked = _Tracked(spec.key(), compiled.matcher())
         self._tracked[r.request_id] = tracked
         return tracked
 

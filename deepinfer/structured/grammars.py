@@ -7,6 +7,13 @@
 JSON is generated compact (no free whitespace between tokens: a small model left free to emit
 whitespace can loop on it until max_tokens) and in xgrammar's strict mode (objects take no
 properties beyond those the schema names), which only narrows the outputs the schema admits.
+
+A JSON schema or regex xgrammar would not enforce in full (structured/schema_features.py), or
+a JSON schema it cannot compile, goes to llguidance (structured/llguidance_grammar.py); what
+neither library can honour is an InvalidParameter naming the feature, never a looser output.
+On the llguidance path objects follow JSON Schema itself (extra properties only where the
+schema allows them), since forcing xgrammar's strict mode into each branch of an `allOf`
+would make most of them unsatisfiable.
 """
 from __future__ import annotations
 
@@ -14,40 +21,85 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
 import xgrammar as xgr
 
 from deepinfer.sampling_params import InvalidParameter
+from deepinfer.structured import llguidance_grammar as llg
 from deepinfer.structured.params import StructuredOutputsParams
+from deepinfer.structured.schema_features import has_lookaround, unenforced_by_xgrammar
 
 _JSON_OPTIONS = {"any_whitespace": False}
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+@dataclass(frozen=True)
+class BuiltGrammar:
+    backend: str  # "xgrammar" (grammar: xgr.Grammar) or "llguidance" (grammar: its JSON text)
+    grammar: Any
+
+
+def build_grammar(spec: StructuredOutputsParams) -> BuiltGrammar:
     """The spec's grammar; InvalidParameter("structured_outputs") naming what is wrong."""
     kind = spec.kind
+    if kind == "json":
+        unenforced = unenforced_by_xgrammar(json.loads(spec.json))
+        if unenforced:
+            return _llguidance(kind, llg.json_grammar(spec.json), ", ".join(unenforced))
+    if kind == "regex" and has_lookaround(spec.regex):
+        return _llguidance(kind, llg.regex_grammar(spec.regex), "look-around")
     try:
-        if kind == "json":
-            return xgr.Grammar.from_json_schema(spec.json, strict_mode=True, **_JSON_OPTIONS)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
-                                                **_JSON_OPTIONS)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(spec.regex)
-        if kind == "choice":
-            # JSON string literals are valid EBNF literals (same escapes).
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-        return xgr.Grammar.from_ebnf(spec.grammar)
+        return BuiltGrammar("xgrammar", _xgrammar(spec))
     except (RuntimeError, ValueError, TypeError) as e:
+        if kind == "json" and llg.grammar_problem(llg.json_grammar(spec.json)) is None:
+            return BuiltGrammar("llguidance", llg.json_grammar(spec.json))
         raise InvalidParameter("structured_outputs",
                                f"cannot compile the {kind} constraint: {_short(e)}") from None
+
+
+def _xgrammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    kind = spec.kind
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(spec.json, strict_mode=True, **_JSON_OPTIONS)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                            **_JSON_OPTIONS)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    if kind == "choice":
+        # JSON string literals are valid EBNF literals (same escapes).
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    return xgr.Grammar.from_ebnf(spec.grammar)
+
+
+def _llguidance(kind: str, grammar: str, features: str) -> BuiltGrammar:
+    problem = llg.grammar_problem(grammar)
+    if problem is not None:
+        raise InvalidParameter("structured_outputs", f"cannot enforce the {kind} constraint "
+                               f"({features}): {problem[:500]}")
+    return BuiltGrammar("llguidance", grammar)
 
 
 def _short(e: Exception) -> str:
     """xgrammar's message without its "[time] file.cc:line:" prefix."""
     text = _SOURCE_PREFIX.sub("", str(e).strip())
     return text.splitlines()[0][:500] if text else type(e).__name__
+
+
+class CompiledGrammar:
+    """One spec compiled for one vocabulary; `matcher()` starts a request's matcher."""
+
+    def __init__(self, backend: str, compiled, llg_tokenizer=None) -> None:
+        self.backend = backend
+        self._compiled = compiled
+        self._llg_tokenizer = llg_tokenizer
+
+    def matcher(self):
+        if self.backend == "xgrammar":
+            return xgr.GrammarMatcher(self._compiled)  # rollback is unlimited
+        return llg.LLGuidanceMatcher(self._llg_tokenizer, self._compiled)
 
 
 class GrammarCache:
@@ -61,19 +113,33 @@ class GrammarCache:
         self._stop_token_ids = list(stop_token_ids)
         self._max_threads = max_threads
         self._compiler: xgr.GrammarCompiler | None = None  # built on first use (~0.3 s)
-        self._compiled: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
+        self._llg_tokenizer = None  # likewise (~1 s)
+        self._compiled: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
         self.num_compiles = 0
 
-    def get(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def get(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         key = spec.key()
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
-        grammar = build_grammar(spec)
+        built = build_grammar(spec)
+        if built.backend == "xgrammar":
+            compiled = CompiledGrammar("xgrammar", self._xgrammar_compiler().compile_grammar(
+                built.grammar))
+        else:
+            compiled = CompiledGrammar("llguidance", built.grammar, self._llguidance_tokenizer())
+        with self._lock:
+            self.num_compiles += 1
+            self._compiled[key] = compiled
+            while len(self._compiled) > self._max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
@@ -81,10 +147,15 @@ class GrammarCache:
                 # xgrammar can cache too; ours is keyed by the spec (a schema's canonical text)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads,
                                                      cache_enabled=False)
-        compiled = self._compiler.compile_grammar(grammar)
+            return self._compiler
+
+    def _llguidance_tokenizer(self):
         with self._lock:
-            self.num_compiles += 1
-            self._compiled[key] = compiled
-            while len(self._compiled) > self._max_entries:
-                self._compiled.popitem(last=False)
-        return compiled
+            if self._llg_tokenizer is None:
+                try:
+                    self._llg_tokenizer = llg.tokenizer_for(self._tokenizer, self.vocab_size,
+                                                            self._stop_token_ids)
+                except ValueError as e:  # a slow (non-Rust) tokenizer
+                    raise InvalidParameter("structured_outputs", "this schema needs llguidance, "
+                                           f"which cannot read this model's tokenizer: {e}") from None
+            return self._llg_tokenizer

@@ -35,6 +35,10 @@ SCHEMAS = [
         "score": {"type": "number", "minimum": 0, "maximum": 1}},
      "required": ["value", "score"]},
 ]
+# several schemas at once: xgrammar would not enforce it, llguidance does
+PERSON_IN_A_CITY = {"allOf": [PERSON, {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}]}
+SCHEMAS.append(PERSON_IN_A_CITY)
 PROMPT = ("<|im_start|>user\nDescribe a person as JSON with a name and an age.<|im_end|>\n"
           "<|im_start|>assistant\n")
 
@@ -48,7 +52,7 @@ def constrained(max_tokens: int = 120, **kwargs) -> SamplingParams:
                           **rest)
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "nested", "any_of"])
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "nested", "any_of", "all_of"])
 def test_json_schema_outputs_validate(engine_base_llm, schema):
     greedy = engine_base_llm.generate([PROMPT], constrained(json=schema), use_tqdm=False)
     sampled = engine_base_llm.generate([PROMPT], constrained(json=schema, temperature=1.0, seed=3,
@@ -96,6 +100,7 @@ def test_grammar_admitting_the_greedy_output_changes_nothing(engine_base_llm):
     {"json": '{"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}'},
     {"regex": "(unclosed"},
     {"grammar": "root ::= undefined_rule"},
+    {"json": '{"type": "integer", "not": {"const": 3}}'},  # neither library enforces `not`
 ])
 def test_bad_specs_are_refused_before_queueing(engine_base_llm, spec):
     with pytest.raises(InvalidParameter) as info:
@@ -110,7 +115,8 @@ def test_speculation_gives_the_same_structured_tokens(engine_base_llm, make_engi
     """ngram drafts copy the prompt's JSON, so many are checked against the grammar, some
     accepted and some rolled back; the tokens are those of the plain engine."""
     prompts = [PROMPT + '{"name": "', PROMPT]
-    params = [constrained(json=PERSON), constrained(json=PERSON, temperature=1.0, seed=5)]
+    params = [constrained(json=PERSON), constrained(json=PERSON, temperature=1.0, seed=5),
+              constrained(json=PERSON_IN_A_CITY, temperature=1.0, seed=5)]  # on llguidance
     llm = make_engine_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                               "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     for p in params:

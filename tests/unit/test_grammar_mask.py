@@ -4,6 +4,7 @@ refuses (that row is discarded by the verification), and fails the request whose
 grammar refuses."""
 from __future__ import annotations
 
+import llguidance
 import pytest
 import torch
 import xgrammar as xgr
@@ -12,7 +13,8 @@ from deepinfer.core.scheduler_output import ScheduledRequest
 from deepinfer.engine.step_faults import RequestFault
 from deepinfer.runtime.grammar_mask import GrammarMasker
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.structured.grammars import build_grammar
+from deepinfer.structured import llguidance_grammar
+from deepinfer.structured.grammars import CompiledGrammar, build_grammar
 from deepinfer.structured.params import StructuredOutputsParams
 
 VOCAB = ["a", "b", "c", "x", "<eos>", "ab"]
@@ -26,7 +28,38 @@ class SmallCache:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def get(self, spec):
-        return self.compiler.compile_grammar(build_grammar(spec))
+        built = build_grammar(spec)
+        assert built.backend == "xgrammar"
+        return CompiledGrammar("xgrammar", self.compiler.compile_grammar(built.grammar))
+
+
+class _SmallTokenizer:
+    """What llguidance needs of a tokenizer: each id's bytes and an encoder."""
+    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS]
+    tokens = [t.encode() for t in VOCAB]
+
+    def __call__(self, text):
+        text = text.decode() if isinstance(text, bytes) else text
+        ids, i = [], 0
+        while i < len(text):
+            ids.append(AB if text.startswith("ab", i) else VOCAB.index(text[i]))
+            i += 2 if ids[-1] == AB else 1
+        return ids
+
+
+class SmallLLGuidanceCache:
+    def __init__(self) -> None:
+        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SmallTokenizer()),
+                                                n_vocab=len(VOCAB), eos_token=[EOS])
+
+    def get(self, spec):
+        return CompiledGrammar("llguidance", llguidance_grammar.regex_grammar(spec.regex),
+                               self.tokenizer)
+
+
+@pytest.fixture(params=[SmallCache, SmallLLGuidanceCache], ids=["xgrammar", "llguidance"])
+def cache(request):
+    return request.param()
 
 
 SPEC = StructuredOutputsParams(regex="ab*c")
@@ -45,8 +78,8 @@ def allowed(masker: GrammarMasker, rows: list[ScheduledRequest]) -> list[set[int
     return [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in logits]
 
 
-def test_mask_follows_the_output_and_rolls_back():
-    masker = GrammarMasker(SmallCache())
+def test_mask_follows_the_output_and_rolls_back(cache):
+    masker = GrammarMasker(cache)
     assert allowed(masker, [row([])]) == [{A, AB}]
     assert allowed(masker, [row([A])]) == [{B, C}]
     # A verification of drafts [B, C]: rows after [], [B], [B, C].
@@ -64,8 +97,16 @@ def test_mask_follows_the_output_and_rolls_back():
     assert allowed(masker, [row([AB])]) == [{B, C}]  # replayed from the output
 
 
-def test_output_the_grammar_refuses_fails_that_request():
-    masker = GrammarMasker(SmallCache())
+def test_output_the_grammar_refuses_fails_that_request(cache):
+    masker = GrammarMasker(cache)
     with pytest.raises(RequestFault) as info:
         allowed(masker, [row([X], request_id="bad")])
     assert info.value.request_ids == ["bad"] and "not allowed" in str(info.value)
+
+
+def test_a_stop_token_ends_the_grammar_and_is_rolled_back_like_any_token(cache):
+    masker = GrammarMasker(cache)
+    assert allowed(masker, [row([A, C])]) == [{EOS}]
+    assert allowed(masker, [row([A, C, EOS])]) == [{EOS}]  # past the end: stop tokens only
+    assert allowed(masker, [row([A, C])]) == [{EOS}]  # the stop token undone
+    assert allowed(masker, [row([A])]) == [{B, C}]
