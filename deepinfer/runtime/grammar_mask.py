@@ -30,6 +30,9 @@ class _Tracked:
     key: tuple
     matcher: Any  # xgr.GrammarMatcher, or structured.llguidance_grammar.LLGuidanceMatcher
     accepted: list[int] = field(default_factory=list)  # output tokens the matcher has taken
+    # Stop tokens after the grammar's end (ignore_eos keeps sampling them): at the tail of
+    # `accepted`, never given to the matcher, which accepts nothing once terminated.
+    past_end: int = 0
 
 
 class GrammarMasker:
@@ -87,10 +90,16 @@ class GrammarMasker:
             tracked = self._track(r)
             accepted, common = tracked.accepted, 0
         elif len(accepted) > common:
-            tracked.matcher.rollback(len(accepted) - common)
+            undo = len(accepted) - common
+            undo_past_end = min(undo, tracked.past_end)
+            tracked.past_end -= undo_past_end
+            if undo > undo_past_end:
+                tracked.matcher.rollback(undo - undo_past_end)
             del accepted[common:]
         for token in output[common:]:
-            if not tracked.matcher.accept_token(token):
+            if token in r.eos_token_ids and tracked.matcher.is_terminated():
+                tracked.past_end += 1
+            elif not tracked.matcher.accept_token(token):
                 if r.num_draft_tokens:  # a draft the grammar refuses: the target rejects it
                     return None
                 raise RequestFault([r.request_id], f"output token {token} is not allowed by "

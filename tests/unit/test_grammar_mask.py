@@ -110,3 +110,14 @@ def test_a_stop_token_ends_the_grammar_and_is_rolled_back_like_any_token(cache):
     assert allowed(masker, [row([A, C, EOS])]) == [{EOS}]  # past the end: stop tokens only
     assert allowed(masker, [row([A, C])]) == [{EOS}]  # the stop token undone
     assert allowed(masker, [row([A])]) == [{B, C}]
+
+
+def test_stop_tokens_past_the_end_are_taken_and_undone(cache):
+    """ignore_eos keeps sampling after the grammar's end: only stop tokens, and they are
+    neither a fault nor given to the matcher (which accepts nothing once terminated)."""
+    masker = GrammarMasker(cache)
+    assert allowed(masker, [row([A, C, EOS, EOS, EOS])]) == [{EOS}]
+    assert allowed(masker, [row([A, C, EOS])]) == [{EOS}]  # two of them undone
+    assert allowed(masker, [row([A])]) == [{B, C}]  # and through the end into the grammar
+    with pytest.raises(RequestFault):
+        allowed(masker, [row([A, C, EOS, A], request_id="late")])
