@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # what the engine messages carry
@@ -263,10 +263,24 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall | None = None
 
 
-class ChatMessage(BaseModel):
+class _Reasoning(BaseModel):
+    """`reasoning_content` (--reasoning-parser; DeepSeek's name) and `reasoning` (vLLM's newer
+    name) carry the same text, so clients written for either read it."""
+
+    @model_validator(mode="after")
+    def _same_reasoning(self):
+        if self.reasoning is None:
+            self.reasoning = self.reasoning_content
+        elif self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
+
+
+class ChatMessage(_Reasoning):
     role: str
     content: str | None = None
-    reasoning_content: str | None = None  # --reasoning-parser
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -289,10 +303,11 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

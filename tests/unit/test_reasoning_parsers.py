@@ -57,7 +57,7 @@ def test_chat_message_splits_reasoning_then_tool_calls(step):
             '"arguments": {"city": "Oslo"}}</tool_call>')
     parser = ChatOutputParser(_plan("auto"), QWEN3)
     message, reason = parser.message(text, "stop")
-    assert message.reasoning_content == "The user wants weather."
+    assert message.reasoning_content == message.reasoning == "The user wants weather."
     assert message.content == "Checking." and reason == "tool_calls"
     assert message.tool_calls[0].function.arguments == '{"city": "Oslo"}'
     streamer = parser.streamer()
@@ -66,6 +66,7 @@ def test_chat_message_splits_reasoning_then_tool_calls(step):
         delta = streamer.update(text[:end], finished=end == len(text))
         if delta is None:
             continue
+        assert delta.reasoning == delta.reasoning_content  # vLLM's name and DeepSeek's
         reasoning += delta.reasoning_content or ""
         content += delta.content or ""
         arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or [])
