@@ -137,4 +137,8 @@ class LLM:
             self.engine.stream_outputs = streaming
             if bar is not None:
                 bar.close()
+        failed = {f.request_id: f.message for f in self.engine.take_request_failures()}
+        for request_id in ids:
+            if request_id not in finished:
+                raise RuntimeError(failed.get(request_id, f"request {request_id} did not finish"))
         return [finished[i] for i in ids]

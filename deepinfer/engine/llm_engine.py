@@ -14,6 +14,7 @@ from deepinfer.core.scheduler_output import StepResult
 from deepinfer.core.step_budget import StepBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
+from deepinfer.engine.grammar_admission import GrammarAdmission
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describe, pin_step_fault
@@ -39,6 +40,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+# An engine whose only requests wait for their grammar waits this long for a compile to end
+# per step instead of spinning.
+GRAMMAR_WAIT_S = 0.005
 
 
 class LLMEngine:
@@ -112,6 +118,7 @@ class LLMEngine:
         self.grammar_cache = GrammarCache(self.tokenizer, self.model_config.vocab_size,
                                           list(self.eos_token_ids))
         self.runner.sampler.grammar = GrammarMasker(self.grammar_cache)
+        self.grammar_admission = GrammarAdmission(self.grammar_cache)
         self._states: dict[str, RequestState] = {}
         self._child_parent: dict[str, str] = {}
         self._num_steps = 0
@@ -179,8 +186,8 @@ class LLMEngine:
         images = self._check_images(prompt_token_ids, mm_inputs)
         params = resolve_bad_words(params, self.tokenizer)
         self._validate_token_ids(params)
-        self._check_grammar(params)
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        grammar_compile = self.grammar_admission.prepare(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
         children = []
@@ -198,6 +205,17 @@ class LLMEngine:
             output = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None,
                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
             state.sequences[child_id] = SequenceState(i, detok, output)
+        if grammar_compile is None:
+            self._schedule_children(children)
+        else:
+            self.grammar_admission.hold(request_id, grammar_compile, children)
+        self._states[request_id] = state
+        for child in children:
+            self._child_parent[child.request_id] = request_id
+        if images is not None:
+            self.mm_images.add([child.request_id for child in children], images, mm_inputs)
+
+    def _schedule_children(self, children: list[Request]) -> None:
         added = []
         try:
             for child in children:
@@ -206,11 +224,21 @@ class LLMEngine:
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        self._states[request_id] = state
-        for child in children:
-            self._child_parent[child.request_id] = request_id
-        if images is not None:
-            self.mm_images.add([child.request_id for child in children], images, mm_inputs)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar finished compiling (fail those it could not)."""
+        idle = not self.scheduler.has_unfinished_requests()
+        for request_id, children, error in self.grammar_admission.take_ready(
+                GRAMMAR_WAIT_S if idle else 0.0):
+            if request_id not in self._states:
+                continue  # aborted while compiling
+            try:
+                if error is not None:
+                    raise error
+                self._schedule_children(children)
+            except Exception as exc:
+                self._fail(request_id, f"the request's structured output grammar could not be "
+                                       f"used: {describe(exc)}")
 
     def _check_images(self, prompt_token_ids: list[int], mm_inputs):
         if mm_inputs is None or not mm_inputs.placeholders:
@@ -254,12 +282,6 @@ class LLMEngine:
                                    "sample before min_tokens (every allowed id is EOS or a stop "
                                    "token id)")
 
-    def _check_grammar(self, params: SamplingParams) -> None:
-        """Compile (and cache) the request's grammar now: a spec xgrammar cannot compile is
-        the request's error (InvalidParameter), not a failure in a later step."""
-        if params.structured_outputs is not None:
-            self.grammar_cache.get(params.structured_outputs)
-
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt
         if params.max_tokens is None:
@@ -275,6 +297,7 @@ class LLMEngine:
             state = self._states.pop(request_id, None)
             if state is None:
                 continue
+            self.grammar_admission.drop(request_id)
             self.scheduler.finish_requests(list(state.sequences), RequestStatus.FINISHED_ABORTED)
             for child_id in state.sequences:
                 self._child_parent.pop(child_id, None)
@@ -292,7 +315,8 @@ class LLMEngine:
         for bad input. Records nothing."""
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
         params = resolve_bad_words(params, self.tokenizer)
-        self._check_grammar(params)
+        if params.structured_outputs is not None:  # the caller schedules it at once
+            self.grammar_cache.get(params.structured_outputs)
         return prompt_token_ids, self._resolve_max_tokens(params, len(prompt_token_ids))
 
     def adopt_request_state(self, state: RequestState) -> None:
@@ -304,6 +328,10 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if len(self.grammar_admission):
+            self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                return []
         now = time.monotonic()
         sched_out = self.scheduler.schedule(now)
         for s in sched_out.scheduled:

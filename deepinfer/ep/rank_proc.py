@@ -78,6 +78,7 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
     engine = (engine_cls or LLMEngine)(config, source=source, model=model)
     if runtime is not None:
         engine.runner.empty_step_hook = runtime.run_empty_step
+        engine.grammar_admission.background = False  # a rank's steps stay in lockstep
     return engine, runtime, group
 
 

@@ -21,6 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +90,18 @@ def _short(e: Exception) -> str:
 
 
 class CompiledGrammar:
-    """One spec compiled for one vocabulary; `matcher()` starts a request's matcher."""
+    """One spec compiled for one vocabulary; `matcher()` starts a request's matcher.
+    `compiled`: xgrammar's CompiledGrammar, or a fresh LLGuidanceMatcher (llguidance compiles
+    when a matcher is built, so the cache holds one built matcher and copies it)."""
 
-    def __init__(self, backend: str, compiled, llg_tokenizer=None) -> None:
+    def __init__(self, backend: str, compiled) -> None:
         self.backend = backend
         self._compiled = compiled
-        self._llg_tokenizer = llg_tokenizer
 
     def matcher(self):
         if self.backend == "xgrammar":
             return xgr.GrammarMatcher(self._compiled)  # rollback is unlimited
-        return llg.LLGuidanceMatcher(self._llg_tokenizer, self._compiled)
+        return self._compiled.copy()
 
 
 class GrammarCache:
@@ -117,7 +119,33 @@ class GrammarCache:
         self._compiled: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # background compiles (one at a time)
+        self._compiling: dict[tuple, Future] = {}
         self.num_compiles = 0
+
+    def lookup(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The compiled grammar if it is cached, else None (never compiles)."""
+        with self._lock:
+            return self._compiled.get(spec.key())
+
+    def compile_async(self, spec: StructuredOutputsParams) -> Future:
+        """`get(spec)` on a background thread (one at a time: a burst of distinct schemas
+        queues instead of taking every core); requests for a spec in flight share it."""
+        key = spec.key()
+        with self._lock:
+            future = self._compiling.get(key)
+            if future is not None:
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            future = self._pool.submit(self.get, spec)
+            self._compiling[key] = future
+        future.add_done_callback(lambda _: self._compile_done(key))
+        return future
+
+    def _compile_done(self, key: tuple) -> None:
+        with self._lock:
+            self._compiling.pop(key, None)
 
     def get(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         key = spec.key()
@@ -131,7 +159,8 @@ class GrammarCache:
             compiled = CompiledGrammar("xgrammar", self._xgrammar_compiler().compile_grammar(
                 built.grammar))
         else:
-            compiled = CompiledGrammar("llguidance", built.grammar, self._llguidance_tokenizer())
+            compiled = CompiledGrammar("llguidance", llg.LLGuidanceMatcher(
+                self._llguidance_tokenizer(), built.grammar))
         with self._lock:
             self.num_compiles += 1
             self._compiled[key] = compiled

@@ -62,6 +62,13 @@ class LLGuidanceMatcher:
         self._stop_ids = frozenset(tokenizer.eos_tokens)
         self._terminated = False
 
+    def copy(self) -> LLGuidanceMatcher:
+        """An independent matcher in this one's state (no recompile)."""
+        twin = object.__new__(LLGuidanceMatcher)
+        twin._matcher = self._matcher.deep_copy()
+        twin._stop_ids, twin._terminated = self._stop_ids, self._terminated
+        return twin
+
     def accept_token(self, token: int) -> bool:
         if self._terminated:
             return False

@@ -124,3 +124,82 @@ def test_speculation_gives_the_same_structured_tokens(engine_base_llm, make_engi
         got = llm.generate(prompts, p, use_tqdm=False)
         for a, b in zip(got, want):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+class _GatedCache:
+    """The engine's grammar cache with one spec's compile held until `release`."""
+
+    def __init__(self, cache, spec) -> None:
+        import threading
+        self.cache, self.key, self.gate = cache, spec.key(), threading.Event()
+        self.real_get = cache.get
+        self.started = threading.Event()
+
+    def __enter__(self):
+        def get(spec):
+            if spec.key() == self.key:
+                self.started.set()
+                assert self.gate.wait(60)
+            return self.real_get(spec)
+        self.cache.get = get
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.set()
+        self.cache.get = self.real_get
+
+
+def _run_engine(engine, until):
+    outputs = {}
+    for _ in range(2000):
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        if until(outputs):
+            return outputs
+    raise AssertionError(f"engine did not get there: {sorted(outputs)}")
+
+
+def test_a_compiling_grammar_does_not_hold_up_other_requests(engine_base_llm):
+    """A new schema compiles off the engine loop: a plain request added with it finishes
+    while the compile is still held, then the structured one runs and validates."""
+    engine = engine_base_llm.engine
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}}, "required": ["held"]}
+    spec = StructuredOutputsParams(json=schema)
+    with _GatedCache(engine.grammar_cache, spec) as gated:
+        engine.add_request("held", engine.tokenizer.encode(PROMPT), constrained(40, json=schema))
+        engine.add_request("plain", engine.tokenizer.encode("The capital of France is"),
+                           SamplingParams(temperature=0.0, max_tokens=8))
+        outputs = _run_engine(engine, lambda outs: "plain" in outs)
+        assert gated.started.is_set() and "held" not in outputs
+        gated.gate.set()
+        outputs = _run_engine(engine, lambda outs: "held" in outs)
+    assert outputs["held"].outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(outputs["held"].outputs[0].text), schema)
+    assert not engine.has_unfinished_requests() and len(engine.grammar_admission) == 0
+
+
+def test_a_request_aborted_or_failing_while_its_grammar_compiles(engine_base_llm):
+    engine = engine_base_llm.engine
+    schema = {"type": "object", "properties": {"gone": {"type": "string"}}}
+    with _GatedCache(engine.grammar_cache, StructuredOutputsParams(json=schema)) as gated:
+        engine.add_request("gone", engine.tokenizer.encode(PROMPT), constrained(8, json=schema))
+        engine.step()
+        engine.abort_request(["gone"])
+        assert not engine.has_unfinished_requests() and len(engine.grammar_admission) == 0
+    failing = {"type": "object", "properties": {"fails": {"type": "string"}}}
+    spec = StructuredOutputsParams(json=failing)
+    real_get = engine.grammar_cache.get
+
+    def get(s):
+        if s.key() == spec.key():
+            raise RuntimeError("no memory for this grammar")
+        return real_get(s)
+    engine.grammar_cache.get = get
+    try:
+        with pytest.raises(RuntimeError, match="grammar could not be used.*no memory"):
+            engine_base_llm.generate([PROMPT], constrained(8, json=failing), use_tqdm=False)
+    finally:
+        engine.grammar_cache.get = real_get
+    assert engine_base_llm.generate([PROMPT], constrained(8, choice=["ok"]),
+                                    use_tqdm=False)[0].outputs[0].text == "ok"

@@ -53,8 +53,8 @@ class SmallLLGuidanceCache:
                                                 n_vocab=len(VOCAB), eos_token=[EOS])
 
     def get(self, spec):
-        return CompiledGrammar("llguidance", llguidance_grammar.regex_grammar(spec.regex),
-                               self.tokenizer)
+        return CompiledGrammar("llguidance", llguidance_grammar.LLGuidanceMatcher(
+            self.tokenizer, llguidance_grammar.regex_grammar(spec.regex)))
 
 
 @pytest.fixture(params=[SmallCache, SmallLLGuidanceCache], ids=["xgrammar", "llguidance"])
