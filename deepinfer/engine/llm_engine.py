@@ -16,6 +16,7 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.engine.grammar_admission import GrammarAdmission
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from deepinfer.engine.request_checks import check_prompt, check_token_ids, resolve_max_tokens
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describe, pin_step_fault
 from deepinfer.quant.quantized_model import weight_bytes_by_format
@@ -26,7 +27,7 @@ from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
 from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
-from deepinfer.sampling_params import InvalidParameter, SamplingParams, resolve_bad_words
+from deepinfer.sampling_params import SamplingParams, resolve_bad_words
 from deepinfer.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
@@ -182,11 +183,12 @@ class LLMEngine:
         prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        prompt_token_ids = check_prompt(prompt_token_ids, self.model_config.vocab_size,
+                                        self.max_model_len)
         images = self._check_images(prompt_token_ids, mm_inputs)
         params = resolve_bad_words(params, self.tokenizer)
-        self._validate_token_ids(params)
-        params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        check_token_ids(params, self.model_config.vocab_size, self.eos_token_ids)
+        params = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
         grammar_compile = self.grammar_admission.prepare(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = RequestState(request_id, prompt_token_ids, params, RequestMetrics(arrival), prompt)
@@ -249,49 +251,6 @@ class LLMEngine:
             raise ValueError(f"model {self.model_name} does not accept images")
         return self.mm_images.check(prompt_token_ids, mm_inputs)
 
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context "
-                             f"length is {self.max_model_len} tokens")
-        return ids
-
-    def _validate_token_ids(self, params: SamplingParams) -> None:
-        # min_tokens masks these ids in the logits: an id outside the vocabulary would crash
-        # the whole engine step, not just this request.
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise InvalidParameter("stop_token_ids",
-                                   f"stop_token_ids must be integers in [0, {vocab})")
-        # Likewise the ids logit_bias and allowed_token_ids index.
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("bad_words", [t for w in params.bad_words_token_ids or [] for t in w])):
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise InvalidParameter(name, f"{name} token ids must be integers in [0, {vocab})")
-        # Before min_tokens, EOS and stop ids are masked: allowed ids among them only would
-        # leave every logit -inf and sample an arbitrary (disallowed) token.
-        if params.min_tokens > 0 and params.allowed_token_ids is not None and set(
-                params.allowed_token_ids) <= set(self.eos_token_ids) | set(params.stop_token_ids):
-            raise InvalidParameter("allowed_token_ids", "allowed_token_ids leaves no token to "
-                                   "sample before min_tokens (every allowed id is EOS or a stop "
-                                   "token id)")
-
-    def _resolve_max_tokens(self, params: SamplingParams, num_prompt: int) -> SamplingParams:
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=room)
-        if params.max_tokens > room:
-            raise InvalidParameter("max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
-                                   f"({params.max_tokens}) exceeds this model's maximum "
-                                   f"context length of {self.max_model_len}")
-        return params
-
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             state = self._states.pop(request_id, None)
@@ -313,11 +272,13 @@ class LLMEngine:
                       params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """The prompt and params `add_request` would queue (max_tokens resolved); ValueError
         for bad input. Records nothing."""
-        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        prompt_token_ids = check_prompt(prompt_token_ids, self.model_config.vocab_size,
+                                        self.max_model_len)
         params = resolve_bad_words(params, self.tokenizer)
         if params.structured_outputs is not None:  # the caller schedules it at once
             self.grammar_cache.get(params.structured_outputs)
-        return prompt_token_ids, self._resolve_max_tokens(params, len(prompt_token_ids))
+        return prompt_token_ids, resolve_max_tokens(params, len(prompt_token_ids),
+                                                    self.max_model_len)
 
     def adopt_request_state(self, state: RequestState) -> None:
         """Track (detokenize, stream, abort) a request whose sequences the caller has put in

@@ -316,9 +316,8 @@ def test_excluded_tokens_logprobs_are_valid_json(completion, chat):
 def test_engine_context_check_names_max_tokens():
     """The engine's own prompt + max_tokens check (a worker whose context is shorter than the
     front's) names max_tokens, not the prompt."""
-    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.engine.request_checks import resolve_max_tokens
     from deepinfer.sampling_params import InvalidParameter, SamplingParams
-    engine = SimpleNamespace(max_model_len=10)
     with pytest.raises(InvalidParameter) as e:
-        LLMEngine._resolve_max_tokens(engine, SamplingParams(max_tokens=8), 5)
+        resolve_max_tokens(SamplingParams(max_tokens=8), 5, max_model_len=10)
     assert e.value.param == "max_tokens" and "maximum context length of 10" in str(e.value)
