@@ -11,6 +11,12 @@ values come from kv_b_proj = [W_UK | W_UV] per head:
 Both give the same result; the absorbed form reads only the latent entries (one "head" of
 r + rope values per token), which is what makes MLA decode cheap. The backend seam is
 `MLAAttentionBackend.forward_mla`.
+
+The up-projections may be held in float32 while activations are bf16 (`MLAWeights` from
+DeepseekV3Attention.latent_weights on CPUs without native bf16 matmul): then the three
+products with them run in float32 and their results are rounded to bf16 once, as a bf16
+matmul rounds its float32 accumulation. Without AVX-512 BF16, torch's bf16 batched matmul
+took 20-40x the time of the same float32 one at decode shapes.
 """
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ class MLAWeights:
     softmax_scale: float
 
 
+def _up(spec: str, x: Tensor, w: Tensor) -> Tensor:
+    """einsum(spec, x, w) in w's dtype, the result in x's."""
+    return torch.einsum(spec, x.to(w.dtype), w).to(x.dtype)
+
+
 class MLAAttentionBackend(Protocol):
     def forward_mla(self, layer_idx: int, q_nope: Tensor, q_pe: Tensor, latent: Tensor,
                     k_pe: Tensor, weights: MLAWeights) -> Tensor:
@@ -45,8 +56,8 @@ def mla_expanded(q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, wei
     """Attention of T queries over a context of C latent entries (latent [C, r], k_pe [C, rope]),
     per-head K/V materialised. attn_mask [T, C] bool (True = attend) -> [T, H, v]."""
     num_heads = q_nope.shape[1]
-    k_nope = torch.einsum("cr,hnr->hcn", latent, weights.w_uk)  # [H, C, nope]
-    values = torch.einsum("cr,hvr->hcv", latent, weights.w_uv)  # [H, C, v]
+    k_nope = _up("cr,hnr->hcn", latent, weights.w_uk)  # [H, C, nope]
+    values = _up("cr,hvr->hcv", latent, weights.w_uv)  # [H, C, v]
     keys = torch.cat((k_nope, k_pe.unsqueeze(0).expand(num_heads, -1, -1)), dim=-1)  # [H, C, nope+rope]
     query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, T, nope+rope]
     out = F.scaled_dot_product_attention(query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
@@ -57,7 +68,7 @@ def mla_expanded(q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, wei
 
 def absorb_query(q_nope: Tensor, q_pe: Tensor, weights: MLAWeights) -> Tensor:
     """[T, H, nope], [T, H, rope] -> latent-space queries [T, H, r + rope]."""
-    q_latent = torch.einsum("thn,hnr->thr", q_nope, weights.w_uk)  # [T, H, r]
+    q_latent = _up("thn,hnr->thr", q_nope, weights.w_uk)  # [T, H, r]
     return torch.cat((q_latent, q_pe), dim=-1)
 
 
@@ -72,7 +83,14 @@ def mla_absorbed(query: Tensor, entries: Tensor, weights: MLAWeights, attn_mask:
     o_latent = F.scaled_dot_product_attention(
         query, keys.expand(-1, num_heads, -1, -1), values.expand(-1, num_heads, -1, -1),
         attn_mask=attn_mask, scale=weights.softmax_scale)  # [B, H, Tq, r]
-    return torch.einsum("bhtr,hvr->bthv", o_latent, weights.w_uv)
+    return up_values(o_latent, weights)
+
+
+def up_values(o_latent: Tensor, weights: MLAWeights) -> Tensor:
+    """Attention output in latent space [B, H, Tq, r] (or [B, H, r]) -> [B, Tq, H, v] ([B, H, v])."""
+    if o_latent.dim() == 3:
+        return _up("bhr,hvr->bhv", o_latent, weights.w_uv)
+    return _up("bhtr,hvr->bthv", o_latent, weights.w_uv)
 
 
 class ContiguousMLAAttention:

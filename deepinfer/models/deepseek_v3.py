@@ -8,6 +8,8 @@ the latent and the rope key, never per-head K/V.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -28,6 +30,16 @@ class ProjectionWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
 
+@functools.cache
+def _native_bf16_matmul() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _float32_up_projections(weight: Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+        and not _native_bf16_matmul()
+
+
 class DeepseekV3Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
@@ -46,11 +58,18 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype)
         self.kv_b_proj = ProjectionWeight(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank, dtype)
         self.o_proj = uninitialized(nn.Linear, heads * mla.v_head_dim, hidden, bias=bias, dtype=dtype)
+        self._float32_kv_b = None  # ((data_ptr, version) of kv_b_proj.weight, its float32 copy)
         self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
 
     def latent_weights(self) -> MLAWeights:
         m = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w = self.kv_b_proj.weight
+        if _float32_up_projections(w):  # layers/mla.py: bf16 matmuls are slow on this CPU
+            cached = self._float32_kv_b
+            if cached is None or cached[0] != (w.data_ptr(), w._version):
+                self._float32_kv_b = cached = ((w.data_ptr(), w._version), w.float())
+            w = cached[1]
+        w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return MLAWeights(w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:], m.softmax_scale)
 
     def forward(self, cos: Tensor, sin: Tensor, hidden: Tensor, attn: MLAAttentionBackend) -> Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepinfer.layers.mla import MLAWeights, absorb_query, mla_absorbed, mla_expanded
+from deepinfer.layers.mla import MLAWeights, absorb_query, mla_absorbed, mla_expanded, up_values
 from deepinfer.runtime.cpu_mla_kernel import MLADecodeKernel
 from deepinfer.runtime.latent_kv_cache import PagedLatentKVCache
 from deepinfer.runtime.paged_attention import AttentionMetadata, PrefillChunkMetadata
@@ -53,7 +53,7 @@ class PagedMLAAttention:
             rank = weights.w_uk.shape[-1]
             o_latent = self.decode_kernel(query, entries, meta.block_ids.view(num, -1),
                                           meta.context_lens, rank, weights.softmax_scale)  # [B, H, r]
-            out[:num] = torch.einsum("bhr,hvr->bhv", o_latent, weights.w_uv)
+            out[:num] = up_values(o_latent, weights)
             return
         mask = meta.attn_mask
         if mask is None:  # the runner builds no mask when it expects the kernel
