@@ -1,9 +1,10 @@
 """Routed MoE experts for decode-sized batches on CPU in one C call (kernels/moe_experts.c).
 
-At decode (1..8 tokens x top-k) the torch path of `MoEExperts` runs one gate_up and one down
-F.linear per active expert plus sort / gather / index_add ops: per-op overhead, not the weight
-stream, sets its speed. The kernel groups the (token, expert) pairs, streams each active
-expert's weights once for all its tokens and sums the weighted outputs, reproducing every bf16
+At decode and verify (1..`max_tokens` tokens x top-k) the torch path of `MoEExperts` runs one
+gate_up and one down F.linear per active expert plus sort / gather / index_add ops: per-op
+overhead, not the weight stream, sets its speed. The kernel groups the (token, expert) pairs,
+streams each active expert's weights once for all its tokens (in tiles of 8 tokens that reuse
+the weight row from cache) and sums the weighted outputs, reproducing every bf16
 rounding of the torch path (the two differ only where a float32 dot summed in another order
 rounds to another bf16 value).
 

@@ -23,7 +23,7 @@ from deepinfer.quant.quantized_weight import FP8_BLOCK
 
 _SHAPES = [  # (experts, hidden, intermediate, top-k): odd widths, tails, k up to 8
     (8, 64, 32, 2), (6, 67, 37, 3), (16, 136, 40, 8)]
-_TOKENS = (1, 3, 8)
+_TOKENS = (1, 3, 8, 19)  # 19: experts with more tokens than one 8-row tile
 # (format, hidden, intermediate): fp8 stacked (I a block multiple) and split; a GGUF and int8
 _QUANT_SHAPES = [(FP8_BLOCK, 200, 128), (FP8_BLOCK, 130, 40), ("q8_0", 96, 64), ("q4_k", 256, 256),
                  ("int8", 72, 36)]

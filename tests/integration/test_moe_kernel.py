@@ -1,6 +1,7 @@
 """The MoE experts decode kernel (runtime/cpu_moe_kernel.py) against the torch path: bf16 and
-quantized experts within the rounding bound of moe_kernel_check (and almost always bit for
-bit), inputs it must refuse, and tiny Qwen3-MoE / DeepSeek-V3 / FP8 Qwen3-MoE checkpoints
+quantized experts within the rounding bound of moe_kernel_check (bf16 almost always bit for
+bit, quantized always: both run the same quantized rows), batches past one 8-row tile with
+skewed routing, inputs it must refuse, and tiny Qwen3-MoE / DeepSeek-V3 / FP8 Qwen3-MoE checkpoints
 whose bf16 decode runs on it: greedy tokens equal the torch path's and, wherever the
 reference's top-2 gap is not a bf16-sized near-tie, transformers' fp32 reference's."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ from deepinfer.runtime.moe_kernel_check import (random_quantized_experts, random
 
 pytestmark = pytest.mark.timeout(600)
 BF16_GAP = 0.5  # reference top-2 gaps below this may flip in bf16 (as the other bf16 tests)
+WIDE_TOKENS = (9, 16, 33, 64)  # decode batches past one 8-row tile (with the kernel's bound)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_bf16_kernel_matches_torch_path(kernel, num_experts, hidden, inter, k, t
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for num_tokens in range(1, kernel.max_tokens + 1):
+        for num_tokens in (*range(1, 9), *WIDE_TOKENS, kernel.max_tokens):
             x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
             weights, ids = random_routing(num_tokens, num_experts, k, gen)
             got = kernel.bf16(x, weights, ids, experts.gate_up_proj, experts.down_proj)
@@ -62,6 +64,47 @@ def test_bf16_kernel_matches_torch_path(kernel, num_experts, hidden, inter, k, t
             bound = rounding_bound(x, weights, ids, experts.gate_up_proj.float(),
                                    experts.down_proj.float())
             _assert_close(got, want, bound, f"T={num_tokens}")
+    finally:
+        torch.set_num_threads(old)
+
+
+def skewed_routing(kind: str, num_tokens: int, num_experts: int, k: int, gen: torch.Generator):
+    """(weights [T, k] f32, ids [T, k]) with distinct experts per token: "one_expert" puts
+    every token on expert 3 (plus random others), "every_expert" cycles through all experts."""
+    weights, ids = random_routing(num_tokens, num_experts, k, gen)
+    if kind == "one_expert":
+        for row in ids:
+            hot = (row == 3).nonzero()
+            row[hot[0, 0] if len(hot) else 0] = row[0]
+            row[0] = 3
+    elif kind == "every_expert":
+        first = torch.arange(num_tokens) * k
+        ids = (first[:, None] + torch.arange(k)) % num_experts
+    return weights, ids
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("routing", ["one_expert", "every_expert"])
+def test_bf16_kernel_takes_wide_batches_with_skewed_routing(kernel, k, routing):
+    """Decode batches past one tile, an expert with every token (its rows split over both
+    threads by cost) or every expert busy: the torch path's values, the same on 1 and 2
+    threads."""
+    gen = torch.Generator().manual_seed(20 + k)
+    experts = _random_experts(12, 256, 136, gen)
+    old = torch.get_num_threads()
+    try:
+        for num_tokens in (*WIDE_TOKENS, kernel.max_tokens):
+            x = torch.randn(num_tokens, 256, generator=gen).bfloat16()
+            weights, ids = skewed_routing(routing, num_tokens, 12, k, gen)
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                outs.append(kernel.bf16(x, weights, ids, experts.gate_up_proj, experts.down_proj))
+            assert torch.equal(outs[0], outs[1]), f"T={num_tokens}: thread count changed bits"
+            want = experts.torch_forward(x, weights, ids)
+            bound = rounding_bound(x, weights, ids, experts.gate_up_proj.float(),
+                                   experts.down_proj.float())
+            _assert_close(outs[0], want, bound, f"{routing} k={k} T={num_tokens}")
     finally:
         torch.set_num_threads(old)
 
@@ -93,14 +136,14 @@ def test_forward_uses_kernel_for_decode_and_torch_path_beyond(kernel, monkeypatc
     calls = []
     real = kernel.bf16
     monkeypatch.setattr(kernel, "bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for num_tokens in (1, kernel.max_tokens, kernel.max_tokens + 1, 40):
+    for num_tokens in (1, 40, kernel.max_tokens, kernel.max_tokens + 1, 300):
         x = torch.randn(num_tokens, 64, generator=gen).bfloat16()
         weights, ids = random_routing(num_tokens, 8, 2, gen)
         got = experts(x, weights, ids)
         want = experts.torch_forward(x, weights, ids)
         _assert_close(got, want, rounding_bound(x, weights, ids, experts.gate_up_proj.float(),
                                                 experts.down_proj.float()), f"T={num_tokens}")
-    assert calls == [1, kernel.max_tokens]
+    assert calls == [1, 40, kernel.max_tokens]
 
 
 def test_kernel_refuses_what_it_does_not_take(kernel):
@@ -142,6 +185,31 @@ def test_quantized_kernel_matches_torch_path(kernel, fmt, hidden, inter):
                 want = experts.torch_forward(x, weights, ids)
                 bound = rounding_bound(x, weights, ids, gate_up, down, int8_acts=fmt != "fp8_block")
                 _assert_close(got, want, bound, f"{fmt} T={num_tokens} threads={threads}")
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("fmt,hidden,inter", [("fp8_block", 256, 128), ("fp8_block", 136, 40),
+                                              ("q4_k", 256, 256), ("q6_k", 256, 256),
+                                              ("q4_0", 64, 96), ("int8", 48, 20)])
+def test_quantized_kernel_takes_wide_batches_bit_for_bit(kernel, fmt, hidden, inter):
+    """Past one tile the experts' GEMVs run the quantized-linear kernel's rows for every M,
+    as the torch path's projections do: the same bits, skewed routing included."""
+    quant = load_quant_linear()
+    gen = torch.Generator().manual_seed(hidden + inter + 1)
+    experts = random_quantized_experts(fmt, 12, hidden, inter, gen, quant)
+    assert cpu_moe_kernel.attach_quantized(experts, kernel) == 1
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for num_tokens in (*WIDE_TOKENS, kernel.max_tokens):
+                for k, routing in ((1, "one_expert"), (2, "every_expert"), (8, "one_expert")):
+                    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+                    weights, ids = skewed_routing(routing, num_tokens, 12, k, gen)
+                    got = experts(x, weights, ids)  # forward: the kernel
+                    want = experts.torch_forward(x, weights, ids)
+                    assert torch.equal(got, want), f"{fmt} {routing} k={k} T={num_tokens} threads={threads}"
     finally:
         torch.set_num_threads(old)
 
@@ -226,6 +294,30 @@ def test_bf16_decode_on_kernel_equals_torch_path_and_reference(kernel, checkpoin
                 assert got == want, f"{kind}: step {step} of a {len(prompt)}-token prompt"
                 num_checked += 1
     assert num_checked >= 25, "too few decisive tokens to compare with the reference"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_sixteen_way_decode_on_kernel_equals_torch_path(kernel, checkpoints, kind, monkeypatch):
+    """16 concurrent decodes: steps of 9..16 tokens run on the kernel (past one tile) and
+    decode the torch path's greedy tokens."""
+    from deepinfer import LLM
+    from tests.integration.moe_checkpoints import random_prompts
+
+    llm = LLM(model=checkpoints[kind][1], dtype="bfloat16", seed=0, kv_cache_memory="32MiB",
+              enable_prefix_caching=False)  # the torch run recomputes every prompt
+    layers = _routed_experts(llm.engine.model)
+    installed = layers[0].kernel
+    assert isinstance(installed, cpu_moe_kernel.MoEExpertsKernel)
+    rows = []
+    real = installed.bf16
+    monkeypatch.setattr(installed, "bf16", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    prompts = random_prompts(seed=17, lengths=tuple(2 + (5 * i) % 23 for i in range(16)))
+    with_kernel = _generate(llm, prompts, 8)
+    assert rows.count(16) >= 6 * len(layers), "16-token decode steps ran on the kernel"
+    for layer in layers:
+        layer.kernel = None
+    assert _generate(llm, prompts, 8) == with_kernel
 
 
 def test_self_test_catches_a_wrong_kernel(kernel, monkeypatch):

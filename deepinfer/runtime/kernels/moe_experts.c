@@ -14,133 +14,95 @@
  * Every rounding of the torch path is reproduced, so the two differ only where a float32
  * dot product summed in another order rounds to another bf16 value.
  *
- * Threads: phase 1 splits the (active expert, intermediate row) pairs evenly, each thread
- * computing gate row j and up row j together and writing h; phase 2 gives each thread a
+ * Threads: phase 1 splits the (active expert, intermediate row) pairs by cost (see
+ * phase1_row_at), each thread computing gate row j and up row j together and writing h; phase 2 gives each thread a
  * range of output columns, over which it runs every active expert in ascending order, so
  * each output value is summed in one fixed order whatever the thread count.
  *
  * bf16 weights: AVX-512 BF16 dots from gemv_bf16.h where the build has them, AVX2 FMA dots
- * (below) on AVX2 hosts, a plain loop elsewhere. Quantized weights: qgemv_rows
+ * (moe_expert_dots.h) on AVX2 hosts, a plain loop elsewhere. Quantized weights: qgemv_rows
  * (quant_gemv.h) over per-expert descriptors, activations prepared as quant_linear.c does. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
-#include "gemv_bf16.h"
+#include "moe_expert_dots.h"
 #include "quant_gemv.h"
 
-#define MOE_MAX_TOKENS 8
+/* Decode and verify steps up to MOE_MAX_TOKENS tokens (beyond, prefill-sized inputs take the
+ * torch path, whose GEMMs then win). An expert's tokens run in tiles of MOE_TILE rows per dot
+ * call: the weight row, read from memory once, stays in L1 for the other tiles. */
+#define MOE_MAX_TOKENS 128
 #define MOE_MAX_PAIRS (MOE_MAX_TOKENS * 32)
 
-static inline int part(int64_t n, int i, int parts) { return (int)(n * i / parts); }
-
-/* The dots' input rows (gathered token rows, then h): bf16 for vdpbf16ps; elsewhere float32,
- * widened once per step instead of once per weight row (at 8 rows the per-row widening of the
- * inputs made the AVX2 dots compute-bound). */
-#ifdef HAVE_DPBF16
-typedef uint16_t moe_act;
-static inline moe_act to_act(uint16_t v) { return v; }
-#define MOE_DOTS ROW_FN
-#define MOE_ISA 2
-#else
-typedef float moe_act;
-static inline moe_act to_act(uint16_t v) { return bf16_to_f32(v); }
-typedef void (*moe_dots_fn)(const uint16_t *, const float *, int, float *);
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-static inline __m256 bf16x8(const uint16_t *p) {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-static inline float moe_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One bf16 weight row with M float32 input rows, C chains of 8 lanes per input row (C * M <= 8
- * accumulators: no spills, and enough chains to hide the FMA latency at small M). */
-#define DEFINE_MOE_DOTS(NAME, M, C)                                                           \
-static void NAME(const uint16_t *w, const float *x, int K, float *dots) {                    \
-    __m256 acc[M][C];                                                                        \
-    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                      \
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[m][c] = _mm256_setzero_ps(); \
-    int k = 0;                                                                               \
-    for (; k + 8 * C <= K; k += 8 * C)                                                       \
-        _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                \
-            const __m256 wv = bf16x8(w + k + 8 * c);                                         \
-            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                              \
-                acc[m][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)m * K + k + 8 * c), \
-                                            acc[m][c]);                                      \
-        }                                                                                    \
-    for (; k + 8 <= K; k += 8) {                                                             \
-        const __m256 wv = bf16x8(w + k);                                                     \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                  \
-            acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)m * K + k), acc[m][0]); \
-    }                                                                                        \
-    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                                    \
-        __m256 s = acc[m][0];                                                                \
-        _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) s = _mm256_add_ps(s, acc[m][c]); \
-        float d = moe_hsum8(s);                                                              \
-        for (int t = k; t < K; t++) d = __builtin_fmaf(bf16_to_f32(w[t]), x[(int64_t)m * K + t], d); \
-        dots[m] = d;                                                                         \
-    }                                                                                        \
-}
-#define MOE_ISA 1
-#else
-#define DEFINE_MOE_DOTS(NAME, M, C)                                                           \
-static void NAME(const uint16_t *w, const float *x, int K, float *dots) {                    \
-    for (int m = 0; m < M; m++) {                                                            \
-        float s = 0.f;                                                                       \
-        for (int k = 0; k < K; k++) s += bf16_to_f32(w[k]) * x[(int64_t)m * K + k];          \
-        dots[m] = s;                                                                         \
-    }                                                                                        \
-}
-#define MOE_ISA 0
-#endif
-DEFINE_MOE_DOTS(moe_m1, 1, 4) DEFINE_MOE_DOTS(moe_m2, 2, 4) DEFINE_MOE_DOTS(moe_m3, 3, 2)
-DEFINE_MOE_DOTS(moe_m4, 4, 2) DEFINE_MOE_DOTS(moe_m5, 5, 1) DEFINE_MOE_DOTS(moe_m6, 6, 1)
-DEFINE_MOE_DOTS(moe_m7, 7, 1) DEFINE_MOE_DOTS(moe_m8, 8, 1)
-static const moe_dots_fn MOE_DOTS[MOE_MAX_TOKENS + 1] = {
-    0, moe_m1, moe_m2, moe_m3, moe_m4, moe_m5, moe_m6, moe_m7, moe_m8};
-#endif
+static inline int64_t part(int64_t n, int i, int parts) { return n * i / parts; }
 
 /* 0 portable, 1 AVX2, 2 AVX-512 BF16: the bf16 dots this build uses (for logs and tests). */
 int moe_experts_isa(void) { return MOE_ISA; }
 int moe_experts_max_tokens(void) { return MOE_MAX_TOKENS; }
 
 /* The (token, expert) pairs grouped by expert: active expert a owns pairs
- * [start[a], start[a + 1]), tokens ascending (a stable sort of the flat top-k ids). */
+ * [start[a], start[a + 1]), tokens ascending (a stable counting sort of the flat top-k ids,
+ * the torch path's stable argsort). One heap block holds every array. */
 typedef struct {
     int num_active, num_pairs;
-    int expert[MOE_MAX_PAIRS], start[MOE_MAX_PAIRS + 1], token[MOE_MAX_PAIRS];
-    float weight[MOE_MAX_PAIRS];
+    int *expert, *start, *token; /* [E], [E + 1], [pairs] */
+    float *weight;               /* [pairs] */
+    void *mem;
 } moe_groups;
 
-/* Returns 0, or 1 for an expert id out of [0, E) or too many pairs. */
+/* Returns 0; 1 for an expert id out of [0, E), too many tokens or pairs; 2 for no memory. */
 static int group_pairs(const int64_t *ids, const float *weights, int T, int k, int E,
                        moe_groups *g) {
-    if (T < 1 || T > MOE_MAX_TOKENS || k < 1 || T * k > MOE_MAX_PAIRS) return 1;
-    for (int p = 0; p < T * k; p++)
+    g->mem = NULL;
+    if (T < 1 || T > MOE_MAX_TOKENS || k < 1 || T * k > MOE_MAX_PAIRS || E < 1) return 1;
+    const int P = T * k;
+    for (int p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return 1;
+    int *mem = malloc(sizeof(int) * (3 * (size_t)E + 2 + P) + sizeof(float) * (size_t)P);
+    if (!mem) return 2;
+    g->mem = mem;
+    int *next = mem; /* [E + 1] counts, then each expert's next slot */
+    g->expert = next + E + 1;
+    g->start = g->expert + E;
+    g->token = g->start + E + 1;
+    g->weight = (float *)(g->token + P);
+    g->num_pairs = P;
+    for (int e = 0; e <= E; e++) next[e] = 0;
+    for (int p = 0; p < P; p++) next[ids[p] + 1]++;
     g->num_active = 0;
-    g->num_pairs = T * k;
-    int at = 0;
-    for (int e = 0; e < E && at < T * k; e++) { /* E <= a few hundred: a scan per step is cheap */
-        const int first = at;
-        for (int p = 0; p < T * k; p++)
-            if (ids[p] == e) {
-                g->token[at] = p / k;
-                g->weight[at++] = weights[p];
-            }
-        if (at > first) {
+    for (int e = 0; e < E; e++) {
+        if (next[e + 1] > 0) {
             g->expert[g->num_active] = e;
-            g->start[g->num_active++] = first;
+            g->start[g->num_active++] = next[e];
         }
+        next[e + 1] += next[e]; /* next[e]: expert e's first slot */
     }
-    g->start[g->num_active] = at;
+    g->start[g->num_active] = P;
+    for (int p = 0; p < P; p++) {
+        const int at = next[ids[p]]++;
+        g->token[at] = p / k;
+        g->weight[at] = weights[p];
+    }
     return 0;
+}
+
+/* Phase 1 gives each thread a share of the (active expert, intermediate row) pairs by cost,
+ * not by count: a row of an expert with M tokens costs M dots plus its weight stream (about
+ * MOE_ROW_COST dots), so a hot expert's rows are spread over more threads. Row index at cost
+ * position `pos` of [0, total): monotone in pos, so consecutive shares partition the rows. */
+#define MOE_ROW_COST 2
+static int64_t phase1_cost(const moe_groups *g, int I) {
+    return ((int64_t)g->num_pairs + (int64_t)MOE_ROW_COST * g->num_active) * I;
+}
+
+static int64_t phase1_row_at(const moe_groups *g, int I, int64_t pos) {
+    int64_t before = 0;
+    for (int a = 0; a < g->num_active; a++) {
+        const int64_t per_row = g->start[a + 1] - g->start[a] + MOE_ROW_COST;
+        if (pos < before + per_row * I) return (int64_t)a * I + (pos - before) / per_row;
+        before += per_row * I;
+    }
+    return (int64_t)g->num_active * I;
 }
 
 static inline uint16_t silu_mul_bf16(uint16_t gate, uint16_t up) {
@@ -160,35 +122,51 @@ static void store_columns(const float *acc, uint16_t *out, int T, int H, int n0,
         for (int n = n0; n < n1; n++) out[(int64_t)t * H + n] = f32_to_bf16(acc[(int64_t)t * H + n]);
 }
 
+/* Dots of weight row w with the M (any number) input rows x [M, K]: tiles of MOE_TILE rows. */
+static inline void dots_tiled(const uint16_t *w, const moe_act *x, int K, int M, float *dots) {
+    for (int m0 = 0; m0 < M; m0 += MOE_TILE) {
+        const int mm = M - m0 < MOE_TILE ? M - m0 : MOE_TILE;
+        MOE_DOTS[mm](w, x + (size_t)m0 * K, K, dots + m0);
+    }
+}
+
 /* bf16 experts: x [T, H], gate_up [E, 2I, H], down [E, H, I], ids / weights [T, k] ->
  * out [T, H], all contiguous. Returns 0; 1 for bad shapes or ids; 2 for no memory. */
 int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t *down,
                      const int64_t *ids, const float *weights, uint16_t *out, int T, int k,
                      int E, int H, int I, int num_threads) {
     moe_groups g;
-    if (H < 1 || I < 1 || group_pairs(ids, weights, T, k, E, &g)) return 1;
+    if (H < 1 || I < 1) return 1;
+    const int rc = group_pairs(ids, weights, T, k, E, &g);
+    if (rc) return rc;
+    const int P = g.num_pairs;
     float *acc = calloc((size_t)T * H, sizeof(float)); /* [T, H] the weighted sums */
-    moe_act *xg = malloc(sizeof(moe_act) * (size_t)g.num_pairs * ((size_t)H + I));
-    if (!xg || !acc) {
+    moe_act *xg = malloc(sizeof(moe_act) * (size_t)P * ((size_t)H + I));
+    /* per thread: the gate and up dots [2, P] of one row, the down dots [P] of one column */
+    float *dots = malloc(sizeof(float) * 3 * (size_t)P * (num_threads > 0 ? num_threads : 1));
+    if (!xg || !acc || !dots) {
         free(xg);
         free(acc);
+        free(dots);
+        free(g.mem);
         return 2;
     }
-    moe_act *h = xg + (size_t)g.num_pairs * H; /* [pairs, I] */
-    for (int p = 0; p < g.num_pairs; p++)
+    moe_act *h = xg + (size_t)P * H; /* [pairs, I] */
+    for (int p = 0; p < P; p++)
         for (int c = 0; c < H; c++) xg[(size_t)p * H + c] = to_act(x[(size_t)g.token[p] * H + c]);
-    const int64_t rows1 = (int64_t)g.num_active * I;
-    const int threads = rows1 * 2 * H >= 65536 ? num_threads : 1;
+    const int64_t rows1 = (int64_t)g.num_active * I, cost1 = phase1_cost(&g, I);
+    const int threads = rows1 * 2 * H >= 65536 && num_threads > 0 ? num_threads : 1;
     _Pragma("omp parallel num_threads(threads)")
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        for (int64_t r = part(rows1, tid, nth), end = part(rows1, tid + 1, nth); r < end; r++) {
+        float *gd = dots + (size_t)tid * 3 * P, *ud = gd + P, *d = ud + P;
+        const int64_t end = nth == 1 ? rows1 : phase1_row_at(&g, I, part(cost1, tid + 1, nth));
+        for (int64_t r = nth == 1 ? 0 : phase1_row_at(&g, I, part(cost1, tid, nth)); r < end; r++) {
             const int a = (int)(r / I), j = (int)(r % I), p0 = g.start[a];
             const int M = g.start[a + 1] - p0;
             const uint16_t *w = gate_up + (size_t)g.expert[a] * 2 * I * H;
-            float gd[MOE_MAX_TOKENS], ud[MOE_MAX_TOKENS];
-            MOE_DOTS[M](w + (size_t)j * H, xg + (size_t)p0 * H, H, gd);
-            MOE_DOTS[M](w + (size_t)(I + j) * H, xg + (size_t)p0 * H, H, ud);
+            dots_tiled(w + (size_t)j * H, xg + (size_t)p0 * H, H, M, gd);
+            dots_tiled(w + (size_t)(I + j) * H, xg + (size_t)p0 * H, H, M, ud);
             for (int m = 0; m < M; m++)
                 h[(size_t)(p0 + m) * I + j] = to_act(silu_mul_bf16(f32_to_bf16(gd[m]),
                                                                    f32_to_bf16(ud[m])));
@@ -199,8 +177,7 @@ int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t 
             const int p0 = g.start[a], M = g.start[a + 1] - p0;
             const uint16_t *w = down + (size_t)g.expert[a] * H * I;
             for (int n = n0; n < n1; n++) {
-                float d[MOE_MAX_TOKENS];
-                MOE_DOTS[M](w + (size_t)n * I, h + (size_t)p0 * I, I, d);
+                dots_tiled(w + (size_t)n * I, h + (size_t)p0 * I, I, M, d);
                 for (int m = 0; m < M; m++)
                     accumulate(acc, (int64_t)g.token[p0 + m] * H + n, f32_to_bf16(d[m]),
                                g.weight[p0 + m]);
@@ -208,8 +185,10 @@ int moe_experts_bf16(const uint16_t *x, const uint16_t *gate_up, const uint16_t 
         }
         store_columns(acc, out, T, H, n0, n1);
     }
+    free(dots);
     free(xg);
     free(acc);
+    free(g.mem);
     return 0;
 }
 
@@ -238,37 +217,47 @@ int moe_experts_quant(const int64_t *descs, int isa, const uint16_t *x, const in
                       const float *weights, uint16_t *out, int T, int k, int E, int H, int I,
                       int num_threads) {
     moe_groups g;
-    if (H < 1 || I < 1 || group_pairs(ids, weights, T, k, E, &g) || g.num_active < 1) return 1;
+    if (H < 1 || I < 1) return 1;
+    const int rc = group_pairs(ids, weights, T, k, E, &g);
+    if (rc) return rc;
     isa = qisa_available(isa);
-    qexpert qe[MOE_MAX_PAIRS];
-    size_t bytes = sizeof(uint16_t) * (size_t)g.num_pairs * (2 * (size_t)I + I + H)
-                   + sizeof(float) * (size_t)T * H;
-    for (int a = 0; a < g.num_active; a++) {
-        if (qexpert_load(descs + (int64_t)g.expert[a] * 3 * D_DESC_WORDS, H, I, &qe[a])) return 1;
-        if (qe[a].gate.format != qe[0].gate.format || qe[a].down.format != qe[0].down.format)
-            return 1;
+    const int A = g.num_active, P = g.num_pairs;
+    size_t bytes = sizeof(uint16_t) * (size_t)P * (2 * (size_t)I + I + H)
+                   + sizeof(float) * (size_t)T * H + (sizeof(qexpert) + 2 * sizeof(qact)) * A;
+    for (int a = 0; a < A; a++) {
         const int M = g.start[a + 1] - g.start[a];
         bytes += qact_bytes(M, H) + qact_bytes(M, I);
     }
-    const int fam1 = qact_family(isa, qe[0].gate.format), fam2 = qact_family(isa, qe[0].down.format);
     char *mem = malloc(bytes);
-    if (!mem) return 2;
-    uint16_t *gu = (uint16_t *)mem;                    /* [pairs, 2I] gate | up */
-    uint16_t *h = gu + (size_t)g.num_pairs * 2 * I;    /* [pairs, I] */
-    uint16_t *y = h + (size_t)g.num_pairs * I;         /* [pairs, H] */
-    float *acc = (float *)(y + (size_t)g.num_pairs * H); /* [T, H] */
+    if (!mem) {
+        free(g.mem);
+        return 2;
+    }
+    qexpert *qe = (qexpert *)mem;                      /* [active] */
+    qact *act1 = (qact *)(qe + A), *act2 = act1 + A;   /* [active] each */
+    float *acc = (float *)(act2 + A);                  /* [T, H] */
+    uint16_t *gu = (uint16_t *)(acc + (size_t)T * H);  /* [pairs, 2I] gate | up */
+    uint16_t *h = gu + (size_t)P * 2 * I;              /* [pairs, I] */
+    uint16_t *y = h + (size_t)P * I;                   /* [pairs, H] */
+    for (int a = 0; a < A; a++)
+        if (qexpert_load(descs + (int64_t)g.expert[a] * 3 * D_DESC_WORDS, H, I, &qe[a])
+            || qe[a].gate.format != qe[0].gate.format || qe[a].down.format != qe[0].down.format) {
+            free(mem);
+            free(g.mem);
+            return 1;
+        }
+    const int fam1 = qact_family(isa, qe[0].gate.format), fam2 = qact_family(isa, qe[0].down.format);
     memset(acc, 0, sizeof(float) * (size_t)T * H);
-    char *at = (char *)(acc + (size_t)T * H);
-    qact act1[MOE_MAX_PAIRS], act2[MOE_MAX_PAIRS];
-    for (int a = 0; a < g.num_active; a++) {
+    char *at = (char *)(y + (size_t)P * H);
+    for (int a = 0; a < A; a++) {
         const int M = g.start[a + 1] - g.start[a];
         qact_carve(&act1[a], fam1, M, H, at);
         at += qact_bytes(M, H);
         qact_carve(&act2[a], fam2, M, I, at);
         at += qact_bytes(M, I);
     }
-    const int64_t rows1 = (int64_t)g.num_active * I;
-    const int threads = rows1 * 2 * H >= 65536 ? num_threads : 1;
+    const int64_t rows1 = (int64_t)A * I, cost1 = phase1_cost(&g, I);
+    const int threads = rows1 * 2 * H >= 65536 && num_threads > 0 ? num_threads : 1;
     _Pragma("omp parallel num_threads(threads)")
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -277,8 +266,8 @@ int moe_experts_quant(const int64_t *descs, int isa, const uint16_t *x, const in
                 if (p % nth == tid)
                     act_prepare_row(&act1[a], p - g.start[a], x + (size_t)g.token[p] * H, 0);
         _Pragma("omp barrier")
-        int64_t r = part(rows1, tid, nth);
-        const int64_t end = part(rows1, tid + 1, nth);
+        int64_t r = nth == 1 ? 0 : phase1_row_at(&g, I, part(cost1, tid, nth));
+        const int64_t end = nth == 1 ? rows1 : phase1_row_at(&g, I, part(cost1, tid + 1, nth));
         while (r < end) { /* runs of rows within one expert */
             const int a = (int)(r / I), j0 = (int)(r % I);
             const int j1 = end - (int64_t)a * I < I ? (int)(end - (int64_t)a * I) : I;
@@ -321,5 +310,6 @@ int moe_experts_quant(const int64_t *descs, int isa, const uint16_t *x, const in
         store_columns(acc, out, T, H, n0, n1);
     }
     free(mem);
+    free(g.mem);
     return 0;
 }
