@@ -38,7 +38,7 @@ from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, Work
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.server.zmq_inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 

@@ -13,16 +13,15 @@ import dataclasses
 import hmac
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer.core.restart_policy import RestartPolicy
 from deepinfer.server.admission import AdmissionGate
-from deepinfer.server.engine_client import EngineClient
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.errors import APIError, from_validation_error
 from deepinfer.server.http_guards import BodySizeLimitMiddleware, ConcurrencyLimitMiddleware
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -37,6 +36,9 @@ from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.server.serving_tokenize import (
     DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenize, TokenizeCompletionRequest,
     TokenizeResponse, parse_tokenize_body)
+
+if TYPE_CHECKING:  # the front is handed a client; it never picks or imports one
+    from deepinfer.clients.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     log_level: str = "warning"
-    engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
+    engine_restart: RestartPolicy = RestartPolicy()  # colocated engine only
     engine_loop_stall_timeout_s: float | None = 30.0  # colocated: a silent engine is killed
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
     mm_model_path: str | None = None
@@ -271,16 +273,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-async def run_server(engine_config, config: ServerConfig, on_ready=None, client=None) -> None:
-    """Start the engine process, then serve HTTP until uvicorn exits (Ctrl-C / SIGTERM).
-    `on_ready(host, port)` (optional, sync) is called once the port accepts connections.
-    `client`: an unstarted client with EngineClient's interface (e.g. the disaggregated
-    `cluster.disagg_client.DisaggClient`); default: one colocated engine process."""
+async def run_server(config: ServerConfig, client: EngineClient, on_ready=None) -> None:
+    """Start `client` (unstarted, from `clients.factory.make_client`), then serve HTTP until
+    uvicorn exits (Ctrl-C / SIGTERM). `on_ready(host, port)` (optional, sync) is called once
+    the port accepts connections."""
     import uvicorn
 
-    client = client or EngineClient(engine_config, log_level=config.log_level,
-                                    restart_policy=config.engine_restart,
-                                    loop_stall_timeout_s=config.engine_loop_stall_timeout_s)
     try:
         await client.start()
         app = build_app(client, config)

@@ -11,18 +11,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.server.admission import Admission, AdmissionGate
-from deepinfer.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, UsageInfo
 from deepinfer.server.structured_request import structured_outputs_for
+
+if TYPE_CHECKING:  # the front is handed a client; it never picks or imports one
+    from deepinfer.clients.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 # Unknown request fields already logged (once per name per process: clients send the same

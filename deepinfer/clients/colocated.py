@@ -1,4 +1,4 @@
-"""Async client of one engine process, used by the API front (asyncio + zmq.asyncio).
+"""`ColocatedClient`: the front's client of one engine process (asyncio + zmq.asyncio).
 
 Each request gets an `asyncio.Queue` of `RequestDelta`s filled by one background task that
 reads the engine's output socket; `generate()` yields from it and aborts the request in the
@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -26,9 +25,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy, EngineSupervisor
+from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError, exit_message
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_proc import run_engine_proc
-from deepinfer.server.engine_supervisor import EngineRestartPolicy, EngineSupervisor
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
     EngineMessage, RequestDelta, Shutdown, rejection_error,
@@ -38,19 +38,6 @@ from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokeniz
 from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process died; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed while running this request; the engine dropped it and kept serving.
-    `engine_fault`: the fault was not this request's (every request in flight failed)."""
-
-    def __init__(self, message: str, engine_fault: bool = False) -> None:
-        super().__init__(message)
-        self.engine_fault = engine_fault
 
 
 class _RequestFailed:
@@ -63,7 +50,7 @@ class _RequestFailed:
 DEFAULT_LOOP_STALL_TIMEOUT_S = 30.0  # above the longest step (steps are budgeted in time)
 
 
-class EngineClient:
+class ColocatedClient:
     """Starts the engine process, multiplexes requests over its sockets, and (with a restart
     policy) restarts it when it dies."""
 
@@ -347,18 +334,6 @@ class EngineClient:
         self.dead_message = message
         for queue in self._queues.values():
             queue.put_nowait(_RequestFailed(EngineDeadError(message)))
-
-
-def exit_message(exitcode: int | None) -> str:
-    """How a process ended, from its exit code: "was killed by SIGKILL", "exited with code 1"
-    (also the EP rank handles' wording)."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode}"
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",

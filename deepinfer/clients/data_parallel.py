@@ -1,5 +1,5 @@
-"""Front-side client of data-parallel rank processes (EngineClient's interface, so the API
-server runs on it unchanged): `deepinfer serve --data-parallel-size N [--enable-expert-parallel]`.
+"""`DataParallelClient`: the front's client of data-parallel rank processes
+(`deepinfer serve --data-parallel-size N [--enable-expert-parallel]`).
 
     front ──▶ least-loaded rank of a healthy group ──▶ that rank's engine (own KV cache)
            ◀── deltas from every rank (one reader task per rank)
@@ -23,13 +23,13 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy
+from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError, exit_message
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp
 from deepinfer.ep.ep_metrics import record_rebalance
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError, RequestFailedError, exit_message
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
                                        EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder,
                                        rejection_error)
@@ -57,6 +57,8 @@ class _Track:
 
 
 class DataParallelClient:
+    supports_prompt_logprobs = False  # rank loops do not forward them
+
     def __init__(self, engine_config, ep_config: EPConfig, *, ready_timeout_s: float = 600.0,
                  log_level: str = "WARNING",
                  restart_policy: EngineRestartPolicy | None = None) -> None:
@@ -202,7 +204,7 @@ class DataParallelClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, arrival_time: float | None = None, *,
                        rank: int | None = None) -> AsyncIterator[RequestDelta]:
-        """As EngineClient.generate; `rank` pins the request to one global rank (tests)."""
+        """As ColocatedClient.generate; `rank` pins the request to one global rank (tests)."""
         if request_id in self._tracks:
             raise ValueError(f"duplicate request id {request_id!r}")
         try:
