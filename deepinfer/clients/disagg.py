@@ -198,7 +198,7 @@ class DisaggClient:
         from deepinfer.cluster.cluster_metrics import ClusterCollector
         registry.register(ClusterCollector(self))
         if self.encode_stage is not None:
-            from deepinfer.cluster.encode_metrics import EncodeCollector
+            from deepinfer.multimodal.encode_metrics import EncodeCollector
             registry.register(EncodeCollector(self.encode_stage))
 
     @property

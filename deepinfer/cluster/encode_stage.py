@@ -27,7 +27,7 @@ import zmq.asyncio
 from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerMessage, EncodeWorkerReady,
                                                EncodeWorkerReport)
-from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
+from deepinfer.multimodal.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed

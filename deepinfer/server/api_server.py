@@ -13,7 +13,7 @@ import dataclasses
 import hmac
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,9 +36,6 @@ from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.server.serving_tokenize import (
     DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenize, TokenizeCompletionRequest,
     TokenizeResponse, parse_tokenize_body)
-
-if TYPE_CHECKING:  # the front is handed a client; it never picks or imports one
-    from deepinfer.clients.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +143,8 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
-    """The app for an already started engine client."""
+def build_app(client, config: ServerConfig) -> FastAPI:
+    """The app over `client`, an already started `clients.protocol.EngineClient`."""
     served_names = [client.model_name]  # EngineConfig.served_model_name, else the model's
     metrics = ServerMetrics(served_names[0], lambda: client.stats)
     if hasattr(client, "register_metrics"):  # engine restarts; per-worker cluster metrics
@@ -273,7 +270,7 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-async def run_server(config: ServerConfig, client: EngineClient, on_ready=None) -> None:
+async def run_server(config: ServerConfig, client, on_ready=None) -> None:
     """Start `client` (unstarted, from `clients.factory.make_client`), then serve HTTP until
     uvicorn exits (Ctrl-C / SIGTERM). `on_ready(host, port)` (optional, sync) is called once
     the port accepts connections."""

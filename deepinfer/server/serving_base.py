@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -24,9 +23,6 @@ from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, UsageInfo
 from deepinfer.server.structured_request import structured_outputs_for
-
-if TYPE_CHECKING:  # the front is handed a client; it never picks or imports one
-    from deepinfer.clients.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 # Unknown request fields already logged (once per name per process: clients send the same
@@ -158,9 +154,9 @@ def _same_value(value, off) -> bool:
 class OpenAIServing:
     """Shared request handling for one served model."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics,
+    def __init__(self, client, metrics: ServerMetrics,
                  served_model_names: list[str], gate: AdmissionGate) -> None:
-        self.client = client
+        self.client = client  # a clients.protocol.EngineClient (handed in, never picked here)
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.gate = gate  # one per server: both endpoints share the waiting limit
