@@ -202,14 +202,17 @@ class DataParallelClient:
 
     # --- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, arrival_time: float | None = None, *,
-                       rank: int | None = None) -> AsyncIterator[RequestDelta]:
-        """As ColocatedClient.generate; `rank` pins the request to one global rank (tests)."""
+                       params: SamplingParams, arrival_time: float | None = None,
+                       mm_inputs=None, *, rank: int | None = None,
+                       ) -> AsyncIterator[RequestDelta]:
+        """As ColocatedClient.generate (`mm_inputs`: the prompt's images, for the rank's own
+        vision tower); `rank` pins the request to one global rank (tests)."""
         if request_id in self._tracks:
             raise ValueError(f"duplicate request id {request_id!r}")
         try:
             frame = self._encoder.encode(AddRequest(request_id, list(prompt_token_ids), params,
-                                                    arrival_time or time.monotonic()))
+                                                    arrival_time or time.monotonic(),
+                                                    mm_inputs=mm_inputs))
         except (OverflowError, TypeError) as e:
             raise ValueError(f"invalid request parameters: {e}") from None
         track = _Track(request_id)
