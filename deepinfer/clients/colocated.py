@@ -26,25 +26,19 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.clients.engine_supervisor import EngineRestartPolicy, EngineSupervisor
-from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError, exit_message
+from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
+from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_proc import run_engine_proc
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
-    EngineMessage, RequestDelta, Shutdown, rejection_error,
+    EngineMessage, RequestDelta, Shutdown,
 )
 from deepinfer.server.zmq_inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
-
-
-class _RequestFailed:
-    """Queue item telling `generate()` to raise (engine rejected the request or died)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
 
 
 DEFAULT_LOOP_STALL_TIMEOUT_S = 30.0  # above the longest step (steps are budgeted in time)
@@ -236,8 +230,7 @@ class ColocatedClient:
         the request, EngineDeadError if the engine dies. Aborts in the engine on early exit."""
         if not self.is_healthy:
             raise EngineDeadError(self.dead_message or "engine is not running")
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        check_new_stream(self._queues, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
@@ -254,7 +247,7 @@ class ColocatedClient:
             await self._send_frame(frame)
             while not finished:
                 item = await queue.get()
-                if isinstance(item, _RequestFailed):
+                if isinstance(item, StreamFailed):
                     finished = True  # the engine holds no state for it
                     raise item.error
                 finished = item.finished
@@ -317,9 +310,7 @@ class ColocatedClient:
         for error in message.errors:
             queue = self._queues.get(error.request_id)
             if queue is not None:
-                queue.put_nowait(_RequestFailed(
-                    RequestFailedError(error.message, error.engine_fault) if error.failed
-                    else rejection_error(error)))
+                queue.put_nowait(StreamFailed(engine_error(error)))
 
     async def _on_engine_dead(self, proc, input_socket, output_socket, message: str) -> None:
         if self._supervisor.policy.max_restarts > 0:
@@ -333,7 +324,7 @@ class ColocatedClient:
         logger.error("engine died: %s", message)
         self.dead_message = message
         for queue in self._queues.values():
-            queue.put_nowait(_RequestFailed(EngineDeadError(message)))
+            queue.put_nowait(StreamFailed(EngineDeadError(message)))
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",

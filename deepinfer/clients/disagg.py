@@ -28,7 +28,8 @@ import zmq.asyncio
 
 from deepinfer.clients.disagg_health import WorkerHealth
 from deepinfer.clients.disagg_inbox import WorkerInbox
-from deepinfer.clients.disagg_track import _Failed, _Track
+from deepinfer.clients.disagg_track import _Track
+from deepinfer.clients.request_stream import StreamFailed, check_new_stream
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.cluster_metrics import spec_decode_totals
 from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
@@ -247,8 +248,7 @@ class DisaggClient:
                                   "decode worker")
         if params.n != 1:
             raise ValueError("disaggregated serving supports n=1 only")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        check_new_stream(self._requests, request_id)
         self._check_decode_fit(request_id, len(prompt_token_ids))
         arrival_time = arrival_time or time.monotonic()
         if mm_inputs is not None and self.encode_stage is not None and mm_inputs.pixel_values:
@@ -262,7 +262,7 @@ class DisaggClient:
             await self._send_prefill(track, exclude=None)
             while not finished:
                 item = await track.queue.get()
-                if isinstance(item, _Failed):
+                if isinstance(item, StreamFailed):
                     raise item.error
                 finished = item.finished
                 yield item
@@ -310,7 +310,7 @@ class DisaggClient:
         if track.failed:
             return
         track.failed = True
-        track.queue.put_nowait(_Failed(error))
+        track.queue.put_nowait(StreamFailed(error))
         await self._abort_track(track)
 
     def _forget_placement(self, track: _Track) -> None:

@@ -5,27 +5,19 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
+from deepinfer.clients.request_stream import engine_error
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import RequestError, rejection_error
+from deepinfer.server.messages import RequestError
 
 
 def _worker_error(error: RequestError, num_tokens_streamed: int) -> Exception:
     """A worker's error as the front raises it: a step that failed while running the request
     (500 request_failed), a refusal before anything was streamed (400), else a lost stream."""
-    if error.failed:
-        return RequestFailedError(error.message, error.engine_fault)
-    if num_tokens_streamed == 0:
-        return rejection_error(error)
+    if error.failed or num_tokens_streamed == 0:
+        return engine_error(error)
     return EngineDeadError(error.message)
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """Queued to a request's consumer: raise `error`."""
-
-    error: Exception
 
 
 @dataclass
