@@ -330,6 +330,10 @@ class DisaggClient:
             self._tasks.append(asyncio.get_running_loop().create_task(self.health.on_worker_dead(
                 worker_id, f"its input socket accepted nothing for {SEND_TIMEOUT_MS} ms")))
 
+    def router_of(self, role: str):
+        """The router that places requests on `role` workers."""
+        return self.prefill_router if role == "prefill" else self.decode_router
+
     def _loads(self, role: str):
         return [h.load for h in self.workers.values()
                 if h.role == role and h.alive and h.load is not None]

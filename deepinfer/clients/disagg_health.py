@@ -51,10 +51,11 @@ class WorkerHealth:
             for handle in list(self.client.workers.values()):
                 await self.check_worker(handle, now)
             self.supervise_workers(time.monotonic())
+            stall_s = self.client.cluster.stall_timeout_s
             for track in list(self.client._requests.values()):
-                if not track.failed and now - track.last_progress > self.client.cluster.stall_timeout_s:
+                if not track.failed and now - track.last_progress > stall_s:
                     await self.client._give_up(track, EngineDeadError(
-                        f"request made no progress for {self.client.cluster.stall_timeout_s:.0f} s"))
+                        f"request made no progress for {stall_s:.0f} s"))
 
     async def check_worker(self, handle: WorkerHandle, now: float) -> None:
         suspended = handle.suspended_since is not None
@@ -66,14 +67,14 @@ class WorkerHealth:
         elif suspended:
             if now - handle.suspended_since > c.hung_restart_after_s:
                 await self.on_worker_dead(handle.worker_id, f"unresponsive for "
-                                           f"{now - handle.suspended_since:.0f} s "
-                                           f"({handle.dead_reason})")
+                                          f"{now - handle.suspended_since:.0f} s "
+                                          f"({handle.dead_reason})")
         elif now - handle.last_seen > c.heartbeat_timeout_s:
             await self.suspend_worker(handle.worker_id, f"missed heartbeats (silent for "
-                                                         f"{now - handle.last_seen:.1f} s)")
+                                                        f"{now - handle.last_seen:.1f} s)")
         elif now - handle.last_loop_advance > c.loop_stall_timeout_s:
             await self.suspend_worker(handle.worker_id, f"its engine loop has not advanced for "
-                                                         f"{now - handle.last_loop_advance:.1f} s")
+                                                        f"{now - handle.last_loop_advance:.1f} s")
 
     async def on_worker_dead(self, worker_id: str, reason: str) -> None:
         """Lost for good (exited, failed, unreachable, or unresponsive too long): kill what is
@@ -83,7 +84,7 @@ class WorkerHealth:
             return
         logger.error("%s removed from routing: %s", worker_id, reason)
         handle.alive, handle.dead_reason, handle.suspended_since = False, reason, None
-        router = self.client.prefill_router if handle.role == "prefill" else self.client.decode_router
+        router = self.client.router_of(handle.role)
         router.remove_worker(worker_id)
         await self.release_requests(handle, reason)
         if handle.proc is not None and handle.proc.is_alive():
@@ -100,7 +101,7 @@ class WorkerHealth:
         handle.alive, handle.dead_reason = False, reason
         handle.suspended_since = time.monotonic()
         self.num_suspended += 1
-        router = self.client.prefill_router if handle.role == "prefill" else self.client.decode_router
+        router = self.client.router_of(handle.role)
         router.remove_worker(worker_id)
         await self.release_requests(handle, reason)
 
@@ -110,7 +111,7 @@ class WorkerHealth:
                        now - handle.suspended_since, handle.dead_reason)
         handle.alive, handle.dead_reason, handle.suspended_since = True, None, None
         handle.last_seen = now
-        router = self.client.prefill_router if handle.role == "prefill" else self.client.decode_router
+        router = self.client.router_of(handle.role)
         router.add_worker(handle.worker_id)
 
     async def release_requests(self, handle: WorkerHandle, reason: str) -> None:
@@ -162,9 +163,11 @@ class WorkerHealth:
             handle = self.client.workers[worker_id]
             if handle.proc is not None and handle.proc.is_alive():
                 handle.proc.kill()
-            self.on_worker_lost(handle, f"not ready after {self.client.cluster.ready_timeout_s:.0f} s")
+            self.on_worker_lost(handle, f"not ready after "
+                                        f"{self.client.cluster.ready_timeout_s:.0f} s")
         for handle in self.client.workers.values():
-            if handle.alive or self.client.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
+            if handle.alive or \
+                    self.client.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
                 continue
             if handle.proc is not None and not handle.proc.is_alive():
                 self.on_worker_lost(handle, f"restarted process exited ({handle.proc.exitcode})")
@@ -216,8 +219,8 @@ class WorkerHealth:
             return None
         return (f"{ready.worker_id} loaded other model files (weights fingerprint "
                 f"{ready.weights_fingerprint[:12]}, the cluster's is "
-                f"{self.client.weights_fingerprint[:12]}): check that --model names the same files on "
-                f"every machine")
+                f"{self.client.weights_fingerprint[:12]}): check that --model names the same "
+                f"files on every machine")
 
     def maybe_readmit(self, handle: WorkerHandle) -> None:
         """A report from a restarted worker that announced itself: route to it again."""
@@ -227,7 +230,7 @@ class WorkerHealth:
         now = time.monotonic()
         handle.alive, handle.dead_reason = True, None
         handle.last_seen = handle.last_loop_advance = now  # not the old process's liveness
-        router = self.client.prefill_router if handle.role == "prefill" else self.client.decode_router
+        router = self.client.router_of(handle.role)
         router.add_worker(handle.worker_id)
         outage = self.client.supervisor.on_admitted(handle.worker_id, now)
         if outage is not None:

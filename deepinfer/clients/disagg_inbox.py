@@ -20,7 +20,8 @@ class WorkerInbox:
 
     async def run(self) -> None:
         while True:
-            message = await receive_message(self.client._output, self.client._decoder.decode, "a worker")
+            message = await receive_message(self.client._output, self.client._decoder.decode,
+                                            "a worker")
             if isinstance(message, WorkerReport):
                 await self.on_report(message)
                 for done in message.prefill_done:
@@ -36,8 +37,9 @@ class WorkerInbox:
             elif isinstance(message, WorkerReady):
                 self.client.health.on_restart_ready(message)
             elif isinstance(message, WorkerFailed):
-                await self.client.health.on_worker_dead(message.worker_id, f"worker failed: "
-                                           f"{message.message.strip().splitlines()[-1]}")
+                await self.client.health.on_worker_dead(
+                    message.worker_id,
+                    f"worker failed: {message.message.strip().splitlines()[-1]}")
             elif message is not None:  # None: a dropped frame
                 self.client._on_other_message(message)
 
@@ -57,7 +59,7 @@ class WorkerInbox:
         handle.last_report = report.load
         handle.counters = report.counters
         handle.load = handle.to_worker_load(report.load, now)
-        router = self.client.prefill_router if handle.role == "prefill" else self.client.decode_router
+        router = self.client.router_of(handle.role)
         router.on_load_report(handle.load)
         for delta in report.outputs:
             track = self.current_track(delta.request_id, report.worker_id)

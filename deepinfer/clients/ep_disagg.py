@@ -179,7 +179,8 @@ class EPGroupHealth(WorkerHealth):
                 self.client._retried_after[request_id] = self._group_reason(handle, reason)
                 logger.warning("%s: decode retried on another group (%s)", request_id,
                                self.client._retried_after[request_id])
-                await self.client._send_decode(track, sent[0])  # fails it clearly if none can take it
+                # fails it clearly if no other group can take it
+                await self.client._send_decode(track, sent[0])
         await super().release_requests(handle, reason)
 
     def _other_group_routable(self, handle: WorkerHandle) -> bool:
@@ -215,7 +216,8 @@ class EPGroupHealth(WorkerHealth):
             super().restart_worker(worker_id)
             return
         members = self.client.group_members(handle)
-        if any(self.client.supervisor.state(m.worker_id) is not WorkerState.BACKOFF for m in members):
+        supervisor = self.client.supervisor
+        if any(supervisor.state(m.worker_id) is not WorkerState.BACKOFF for m in members):
             return  # started with its group already, or a peer gave up / is still going down
         port = free_port()
         for member in members:
