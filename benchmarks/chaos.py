@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.clients.disagg import DisaggClient
+from deepinfer.clients.factory import make_client
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.sampling_params import SamplingParams
 
@@ -343,7 +344,7 @@ async def serve_and_run(args, engine: EngineConfig, prompts, references, params)
             heartbeat_timeout_s=args.heartbeat_timeout_s, stall_timeout_s=args.stall_timeout_s,
             hung_restart_after_s=args.hung_restart_after_s,
             transfer_timeout_s=10.0, restart_backoff_s=0.5)
-        client = DisaggClient(engine, cluster)
+        client = make_client(engine, cluster=cluster)
         t0 = time.monotonic()
         await client.start()
         print(f"cluster up in {time.monotonic() - t0:.1f} s; load for {args.duration_s:.0f} s "

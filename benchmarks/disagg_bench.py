@@ -20,7 +20,8 @@ import numpy as np
 from deepinfer.bench.traces import ShrinkConfig
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.clients.disagg import DisaggClient
+from deepinfer.clients.factory import make_client
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.sampling_params import SamplingParams
 
@@ -84,10 +85,10 @@ async def replay(client: DisaggClient, requests) -> dict:
 async def run_one(prefill_policy: str, decode_policy: str, workload) -> dict:
     engine = EngineConfig(dtype="bfloat16", num_kv_blocks=1024, num_threads=1)
     store = f"fs://{tempfile.mkdtemp(prefix='disagg-bench-')}"  # fresh store per run
-    client = DisaggClient(engine, ClusterConfig(2, 2, kv_store_url=store,
-                                                prefill_router=prefill_policy,
-                                                decode_router=decode_policy,
-                                                heartbeat_timeout_s=10.0))
+    client = make_client(engine, cluster=ClusterConfig(2, 2, kv_store_url=store,
+                                                       prefill_router=prefill_policy,
+                                                       decode_router=decode_policy,
+                                                       heartbeat_timeout_s=10.0))
     await client.start()
     try:
         return await replay(client, workload.requests)

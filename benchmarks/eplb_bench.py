@@ -135,7 +135,7 @@ def redundancies(args) -> list[int]:
 async def run_group(directory: str, args, redundant: int | None) -> dict:
     """One EP=4 group; `redundant` None: EPLB off."""
     from deepinfer.engine.engine_config import EngineConfig
-    from deepinfer.ep.dp_client import DataParallelClient
+    from deepinfer.clients.factory import make_client
     from deepinfer.ep.ep_config import EPConfig
     from deepinfer.moe.eplb_config import EPLBConfig
 
@@ -146,7 +146,7 @@ async def run_group(directory: str, args, redundant: int | None) -> dict:
                                   plan_ahead_steps=args.plan_ahead))
     config = EngineConfig(model=directory, dtype="float32", num_kv_blocks=512, num_threads=1,
                           max_num_seqs=args.requests // args.ranks)
-    client = DataParallelClient(config, ep, ready_timeout_s=600)
+    client = make_client(config, ep_config=ep, ready_timeout_s=600)
     await client.start()
     try:
         prompts, sampling = workload(args), params(args)

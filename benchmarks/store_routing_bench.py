@@ -341,7 +341,7 @@ def print_table(title: str, rows: list[dict]) -> None:
 # --- the real cluster -------------------------------------------------------------------------
 async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
     from deepinfer.cluster.cluster_config import ClusterConfig
-    from deepinfer.cluster.disagg_client import DisaggClient
+    from deepinfer.clients.factory import make_client
     from deepinfer.engine.engine_config import EngineConfig
     from deepinfer.sampling_params import SamplingParams
     from deepinfer.bench.latency_stats import RequestResult
@@ -354,7 +354,7 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
     shutil.rmtree(store_dir, ignore_errors=True)  # every run starts from an empty store
     os.makedirs(store_dir)
     engine = EngineConfig(dtype=args.dtype, num_kv_blocks=2048, num_threads=1, seed=0)
-    client = DisaggClient(engine, ClusterConfig(
+    client = make_client(engine, cluster=ClusterConfig(
         num_prefill_workers=args.prefill, num_decode_workers=args.decode,
         kv_store_url=f"fs://{store_dir}", prefill_router=router, cpu_affinity=True,
         heartbeat_timeout_s=30.0, loop_stall_timeout_s=120.0, stall_timeout_s=600.0))
@@ -390,7 +390,7 @@ async def run_real(label: str, requests: list[BenchRequest], args) -> dict:
         counters = {wid: h.counters for wid, h in client.workers.items()
                     if h.role == "prefill"}
         routed = dict(sorted(client.prefill_router.num_routed.items()))
-        suspensions = client.num_suspended
+        suspensions = client.health.num_suspended
     finally:
         await client.shutdown()
     row = summarize(label, results, store_tokens=sum(c.store_hit_tokens + c.host_hit_tokens

@@ -114,9 +114,9 @@ def _decode_ep_config(args, ep_config, engine_config):
 
 def _run(args) -> int:
     from deepinfer.cli.main import CLIError
+    from deepinfer.clients.engine_supervisor import EngineRestartPolicy
+    from deepinfer.engine.exceptions import EngineDeadError
     from deepinfer.server.api_server import ServerConfig, run_server
-    from deepinfer.server.engine_client import EngineDeadError
-    from deepinfer.server.engine_supervisor import EngineRestartPolicy
 
     engine_config = engine_config_from_args(args)
     if args.max_waiting_requests < 0:
@@ -170,18 +170,20 @@ def _run(args) -> int:
     else:
         on_ready = _announce
     try:
-        from deepinfer.cluster.cluster_args import cluster_client_from_args
+        from deepinfer.clients.factory import client_from_args
         try:
             if ep_config is not None:  # rank groups behind a routing front: local, or on Ray
-                from deepinfer.cluster.ray_ep_group import dp_client_from_args
-                client = dp_client_from_args(args, engine_config, ep_config,
-                                             log_level=args.log_level,
-                                             restart_policy=config.engine_restart)
-            else:
-                client = cluster_client_from_args(args, engine_config, decode_ep=decode_ep)
+                client = client_from_args(args, engine_config, ep_config=ep_config,
+                                          log_level=args.log_level,
+                                          restart_policy=config.engine_restart)
+            else:  # P/D workers when their counts are given, else one engine process
+                client = client_from_args(
+                    args, engine_config, decode_ep=decode_ep, log_level=config.log_level,
+                    restart_policy=config.engine_restart,
+                    loop_stall_timeout_s=config.engine_loop_stall_timeout_s)
         except ValueError as e:  # bad cluster flags: the CLI's one-line exit 2
             raise CLIError(str(e)) from None
-        asyncio.run(run_server(engine_config, config, on_ready=on_ready, client=client))
+        asyncio.run(run_server(config, client, on_ready=on_ready))
     except EngineDeadError as e:
         raise CLIError(str(e).strip().splitlines()[-1]) from None
     except KeyboardInterrupt:  # Ctrl-C is the normal way to stop a server

@@ -1,7 +1,5 @@
-"""Disaggregated serving: prefill and decode worker processes, KV transport, front client.
-
-`DisaggClient` (front door) starts P prefill and D decode workers (`worker_proc`), routes
-with `routing`'s policies, and streams deltas like the colocated `EngineClient`.
+"""Disaggregated serving: prefill, decode and encode worker processes, KV transport,
+launchers (local, Ray) and the worker bookkeeping the front's `clients.disagg` builds on.
 """
 from deepinfer.cluster.cluster_config import ClusterConfig
 

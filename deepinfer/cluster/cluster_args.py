@@ -63,10 +63,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     add_placement_args(parser)  # --cluster local|ray|ray://..., per-role Ray resources
 
 
-def cluster_client_from_args(args: argparse.Namespace, engine_config, decode_ep=None):
-    """A `DisaggClient` when worker counts are given, else None (colocated serving).
+def cluster_config_from_args(args: argparse.Namespace, decode_ep=None):
+    """(ClusterConfig, launcher) when worker counts are given, else None (colocated serving).
     `decode_ep`: an expert-parallel `EPConfig` for the decode workers (each one a group of
-    `decode_ep.data_parallel_size` ranks)."""
+    `decode_ep.data_parallel_size` ranks); the client is picked by `clients.factory`."""
     num_encode = getattr(args, "encode_workers", None)
     if num_encode is not None and (args.prefill_workers is None or args.decode_workers is None):
         raise ValueError("--encode-workers needs --prefill-workers and --decode-workers "
@@ -84,7 +84,6 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config, decode_ep=
     if decode_dp < 1:
         raise ValueError("--decode-data-parallel-size must be >= 1")
     from deepinfer.cluster.cluster_config import ClusterConfig
-    from deepinfer.cluster.disagg_client import DisaggClient
 
     if args.kv_store == "memory":
         raise ValueError("--kv-store memory is per process; workers need fs or redis (or none)")
@@ -109,12 +108,9 @@ def cluster_client_from_args(args: argparse.Namespace, engine_config, decode_ep=
         cpu_affinity=getattr(args, "cpu_affinity", False),
         **encode_config(args, launcher), **placement_config(args, launcher))
     launcher.check(cluster)  # e.g. no Ray node for a role: one line, before anything starts
-    if decode_ep is not None:
-        if launcher.name != "local":
-            raise ValueError("expert-parallel decode groups run on --cluster local only")
-        from deepinfer.ep.ep_disagg_client import EPDisaggClient
-        return EPDisaggClient(engine_config, cluster, decode_ep, launcher=launcher)
-    return DisaggClient(engine_config, cluster, launcher=launcher)
+    if decode_ep is not None and launcher.name != "local":
+        raise ValueError("expert-parallel decode groups run on --cluster local only")
+    return cluster, launcher
 
 
 def _store_url_with_capacity(args: argparse.Namespace) -> str | None:

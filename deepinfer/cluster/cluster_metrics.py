@@ -142,11 +142,11 @@ class ClusterCollector:
         yield routed
         for name, doc, value in (
                 ("request_retries", "Requests retried after losing a worker.",
-                 self.client.num_retried),
+                 self.client.health.num_retried),
                 ("request_worker_loss_failures", "Requests failed because a worker was lost.",
-                 self.client.num_failed_by_worker_loss),
+                 self.client.health.num_failed_by_worker_loss),
                 ("worker_suspensions", "Workers taken out of routing as unresponsive (silent, "
-                 "or engine loop not advancing).", self.client.num_suspended),
+                 "or engine loop not advancing).", self.client.health.num_suspended),
                 ("prefill_staging_full_decisions", "Prefill routing decisions taken with every "
                  "worker's KV staging full.", self.client.prefill_router.num_staging_full),
                 ("prefill_awaited_prefixes", "Requests routed to await a prefix another prefill "

@@ -27,7 +27,7 @@ import zmq.asyncio
 from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerMessage, EncodeWorkerReady,
                                                EncodeWorkerReport)
-from deepinfer.cluster.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
+from deepinfer.multimodal.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
@@ -38,7 +38,7 @@ from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, Work
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.server.zmq_inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 

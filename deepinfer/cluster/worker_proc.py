@@ -42,9 +42,8 @@ def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
 
 
 def _build_decode(spec: WorkerSpec, input_socket, output_socket):
-    if spec.ep_rank is not None:  # a rank of an expert-parallel decode group
-        from deepinfer.ep.decode_rank import build_ep_decode
-        return build_ep_decode(spec, input_socket, output_socket)
+    if spec.ep_rank is not None:  # a rank of an expert-parallel decode group: its spec
+        return spec.ep_rank.build(spec, input_socket, output_socket)  # knows how (ep/)
     from deepinfer.cluster.decode_engine import DisaggDecodeEngine
     from deepinfer.cluster.decode_worker import DecodeWorkerLoop
     from deepinfer.cluster.kv_transport import ZmqKVTransport

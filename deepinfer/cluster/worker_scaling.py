@@ -116,7 +116,7 @@ class WorkerScaler:
             handle.proc.start()
         except OSError as exc:  # the supervisor retries it with back-off
             handle.proc = None
-            c._on_worker_lost(handle, f"could not spawn: {exc}")
+            c.health.on_worker_lost(handle, f"could not spawn: {exc}")
         logger.warning("scaling: added %s", handle.worker_id)
         return handle.worker_id
 
@@ -164,8 +164,8 @@ class WorkerScaler:
         num_released = 0
         if handle.request_ids and (handle.alive or handle.suspended_since is not None):
             num_released = len(handle.request_ids)
-            await c._on_worker_dead(worker_id, f"removed by scaling with {num_released} requests "
-                                    f"left after {c.cluster.drain_timeout_s:.0f} s")
+            await c.health.on_worker_dead(worker_id, f"removed by scaling with {num_released} "
+                                          f"requests left after {c.cluster.drain_timeout_s:.0f} s")
         await self._stop(handle)
         router.remove_worker(worker_id)
         c.workers.pop(worker_id, None)

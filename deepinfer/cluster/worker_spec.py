@@ -33,7 +33,9 @@ class WorkerSpec:
     debug_transfer_delay_s: float = 0.0
     max_staged_bytes: int = 2 * 1024**3
     cpu_ids: tuple[int, ...] | None = None  # --cpu-affinity: the cores this worker may use
-    ep_rank: Any = None  # deepinfer.ep.decode_rank.EPRankSpec: a rank of an EP decode group
+    # A rank of an EP decode group: an object with `build(spec, input_socket, output_socket)`
+    # -> (engine, loop, transport, tier), e.g. deepinfer.ep.decode_rank.EPRankSpec.
+    ep_rank: Any = None
 
     def __post_init__(self) -> None:
         if self.role not in CLUSTER_ROLES:

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from deepinfer.cluster.messages import WorkerFailed
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 
 
 async def await_workers_ready(output, decoder, workers: Mapping[str, Any], timeout_s: float,

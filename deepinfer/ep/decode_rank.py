@@ -39,6 +39,11 @@ class EPRankSpec:
     rank: int
     port: int
 
+    def build(self, spec, input_socket, output_socket):
+        """The worker process's engine and loop (cluster/worker_proc calls this: it does not
+        know expert parallelism, which sits above it)."""
+        return build_ep_decode(spec, input_socket, output_socket)
+
 
 class EPDecodeWorkerLoop(DecodeWorkerLoop):
     """`DecodeWorkerLoop` stepped in lockstep with its group. Header, one all-reduce:

@@ -19,7 +19,7 @@ from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, RankOutput
 from deepinfer.ep.process_group import free_port
 from deepinfer.ep.rank_proc import run_rank_proc
-from deepinfer.server.engine_client import EngineDeadError, exit_message
+from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 

@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer.core.restart_policy import RestartPolicy
 from deepinfer.server.admission import AdmissionGate
-from deepinfer.server.engine_client import EngineClient
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.errors import APIError, from_validation_error
 from deepinfer.server.http_guards import BodySizeLimitMiddleware, ConcurrencyLimitMiddleware
 from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -54,7 +53,7 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     limits: RequestLimits = RequestLimits()  # per-request caps, body size, requests in flight
     log_level: str = "warning"
-    engine_restart: EngineRestartPolicy = EngineRestartPolicy()  # colocated engine only
+    engine_restart: RestartPolicy = RestartPolicy()  # colocated engine only
     engine_loop_stall_timeout_s: float | None = 30.0  # colocated: a silent engine is killed
     # A vision-language checkpoint: chat image parts go through its processor under this policy.
     mm_model_path: str | None = None
@@ -144,8 +143,8 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
-    """The app for an already started engine client."""
+def build_app(client, config: ServerConfig) -> FastAPI:
+    """The app over `client`, an already started `clients.protocol.EngineClient`."""
     served_names = [client.model_name]  # EngineConfig.served_model_name, else the model's
     metrics = ServerMetrics(served_names[0], lambda: client.stats)
     if hasattr(client, "register_metrics"):  # engine restarts; per-worker cluster metrics
@@ -271,16 +270,12 @@ def build_app(client: EngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
-async def run_server(engine_config, config: ServerConfig, on_ready=None, client=None) -> None:
-    """Start the engine process, then serve HTTP until uvicorn exits (Ctrl-C / SIGTERM).
-    `on_ready(host, port)` (optional, sync) is called once the port accepts connections.
-    `client`: an unstarted client with EngineClient's interface (e.g. the disaggregated
-    `cluster.disagg_client.DisaggClient`); default: one colocated engine process."""
+async def run_server(config: ServerConfig, client, on_ready=None) -> None:
+    """Start `client` (unstarted, from `clients.factory.make_client`), then serve HTTP until
+    uvicorn exits (Ctrl-C / SIGTERM). `on_ready(host, port)` (optional, sync) is called once
+    the port accepts connections."""
     import uvicorn
 
-    client = client or EngineClient(engine_config, log_level=config.log_level,
-                                    restart_policy=config.engine_restart,
-                                    loop_stall_timeout_s=config.engine_loop_stall_timeout_s)
     try:
         await client.start()
         app = build_app(client, config)

@@ -77,7 +77,7 @@ class EngineStatsCollector:
             per_pos.add_metric([self.model_name, str(position)], value)
         yield per_pos
         if s.embedding_cache_hits is not None:  # colocated vision tower: deepinfer:encode_*
-            from deepinfer.cluster.encode_metrics import engine_encode_metrics
+            from deepinfer.multimodal.encode_metrics import engine_encode_metrics
             yield from engine_encode_metrics(s)
 
 

@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.server.admission import Admission, AdmissionGate
-from deepinfer.server.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
@@ -154,9 +154,9 @@ def _same_value(value, off) -> bool:
 class OpenAIServing:
     """Shared request handling for one served model."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics,
+    def __init__(self, client, metrics: ServerMetrics,
                  served_model_names: list[str], gate: AdmissionGate) -> None:
-        self.client = client
+        self.client = client  # a clients.protocol.EngineClient (handed in, never picked here)
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.gate = gate  # one per server: both endpoints share the waiting limit

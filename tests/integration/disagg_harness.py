@@ -1,4 +1,4 @@
-"""A disaggregated cluster for tests: `DisaggClient` on an event loop in a background thread,
+"""A disaggregated cluster for tests: its client (`make_client`) on an event loop in a background thread,
 so synchronous tests can drive real worker processes over real TCP sockets."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.clients.factory import make_client
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ class ClusterHarness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.client = DisaggClient(engine, cluster)
+        self.client = make_client(engine, cluster=cluster)
         self.run(self.client.start(), timeout=300)
 
     def run(self, coro, timeout: float = 120):

@@ -35,12 +35,13 @@ class GroupRunner:
     def __init__(self, directory: str, ep_config, engine_kwargs: dict | None = None,
                  **client_kwargs) -> None:
         from deepinfer.engine.engine_config import EngineConfig
-        from deepinfer.ep.dp_client import DataParallelClient
+        from deepinfer.clients.factory import make_client
 
         self.loop = asyncio.new_event_loop()
         kwargs = dict(model=directory, dtype="float32", num_kv_blocks=128, num_threads=1, seed=0)
         config = EngineConfig(**{**kwargs, **(engine_kwargs or {})})
-        self.client = DataParallelClient(config, ep_config, ready_timeout_s=180, **client_kwargs)
+        self.client = make_client(config, ep_config=ep_config, ready_timeout_s=180,
+                                  **client_kwargs)
         self.run(self.client.start())
         self._ids = 0
 

@@ -174,7 +174,7 @@ def test_a_worker_whose_engine_loop_hangs_leaves_routing_and_comes_back(
         cluster, encode, engine_base_llm, tmp_path):
     client = cluster.client
     handle = client.workers["prefill-1"]
-    pid, retried = handle.proc.pid, client.num_retried
+    pid, retried = handle.proc.pid, client.health.num_retried
     prompt = encode(_corpus_from(7))[:50]
     release = tmp_path / "release-prefill-1"
     try:
@@ -189,7 +189,7 @@ def test_a_worker_whose_engine_loop_hangs_leaves_routing_and_comes_back(
         cluster.wait_for(lambda: not handle.alive, timeout=60, what="prefill-1 suspended")
         assert "engine loop has not advanced" in handle.dead_reason
         first = future.result(timeout=90)["hang-0"]  # retried on prefill-0
-        assert client.num_retried == retried + 1 and client.placements["hang-0"][0] == "prefill-0"
+        assert client.health.num_retried == retried + 1 and client.placements["hang-0"][0] == "prefill-0"
         more = cluster.generate_many({f"hang-{i}": encode(_corpus_from(i))[:30 + i]
                                       for i in range(1, 4)}, GREEDY)
         assert {client.placements[r][0] for r in more} == {"prefill-0"}  # out of routing
@@ -267,7 +267,7 @@ def test_killing_a_prefill_worker_under_load(cluster, encode, engine_base_llm):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = {f"kp-{i}": encode(_corpus_from(i + 2))[:120 + 16 * i] for i in range(6)}
     want = dict(zip(prompts, reference(engine_base_llm, list(prompts.values()), params)))
-    retried = cluster.client.num_retried
+    retried = cluster.client.health.num_retried
     future = cluster.submit_many(prompts, params)
     cluster.wait_for(lambda: any((cluster.client.placements.get(r) or [None])[0] == "prefill-0"
                                  for r in prompts), what="a request on prefill-0")
@@ -282,7 +282,7 @@ def test_killing_a_prefill_worker_under_load(cluster, encode, engine_base_llm):
         else:
             assert "prefill-0" in r["error"], (rid, r)
             assert "was lost" in r["error"] or "stopped responding" in r["error"], (rid, r)
-    assert cluster.client.num_retried > retried  # unstreamed requests moved to prefill-1
+    assert cluster.client.health.num_retried > retried  # unstreamed requests moved to prefill-1
     assert sum(1 for r in results.values() if r["error"] is None) >= 1
     # No KV left anywhere: nothing staged, no blocks in use, no transfer pending on any live
     # worker (including a replacement the supervisor may have started meanwhile).

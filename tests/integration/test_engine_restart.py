@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from deepinfer import SamplingParams
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy
 from tests.integration.serve_process import (
     OfflineReference, metric, scrape_metrics, wait_for_metric,
 )

@@ -12,7 +12,7 @@ from deepinfer import SamplingParams
 from deepinfer.engine.step_faults import DEBUG_FAULT_SEED_ENV
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.moe.eplb_config import EPLBConfig
-from deepinfer.server.engine_client import RequestFailedError
+from deepinfer.engine.exceptions import RequestFailedError
 from tests.integration.expert_parallel_harness import (GroupRunner, one_process_outputs,
                                                        rank_pids, write_checkpoint)
 from tests.integration.moe_checkpoints import random_prompts

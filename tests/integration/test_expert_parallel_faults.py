@@ -13,8 +13,8 @@ import pytest
 from deepinfer import SamplingParams
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.moe.eplb_config import EPLBConfig
-from deepinfer.server.engine_client import EngineDeadError
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
+from deepinfer.engine.exceptions import EngineDeadError
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy
 from tests.integration.expert_parallel_harness import (GroupRunner, alive, one_process_outputs,
                                                        write_checkpoint)
 from tests.integration.moe_checkpoints import random_prompts

@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from deepinfer.cluster.cluster_config import ClusterConfig  # noqa: E402
-from deepinfer.cluster.disagg_client import DisaggClient  # noqa: E402
+from deepinfer.clients.factory import make_client  # noqa: E402
 from deepinfer.cluster.ray_launcher import RayLauncher, RoleResources  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 from tests.integration.disagg_harness import ENGINE, ClusterHarness  # noqa: E402
@@ -92,7 +92,7 @@ class RayHarness(ClusterHarness):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.client = DisaggClient(ENGINE, cluster, launcher=launcher)
+        self.client = make_client(ENGINE, cluster=cluster, launcher=launcher)
         self.run(self.client.start(), timeout=READY_DEADLINE_S)
 
 
@@ -359,10 +359,10 @@ def test_ep_group_on_ray_equals_local_group_and_restarts_after_a_killed_rank(
     every request (nothing hangs) and the group comes back in a new placement group."""
     from ray.util import placement_group_table
 
-    from deepinfer.cluster.ray_ep_group import RayRankPlacement
+    from deepinfer.ep.ray_rank_group import RayRankPlacement
     from deepinfer.ep.ep_config import EPConfig
     from deepinfer.moe.eplb_config import EPLBConfig
-    from deepinfer.server.engine_supervisor import EngineRestartPolicy
+    from deepinfer.clients.engine_supervisor import EngineRestartPolicy
     from tests.integration.expert_parallel_harness import GroupRunner, write_checkpoint
     from tests.integration.moe_checkpoints import random_prompts
 
@@ -436,15 +436,15 @@ class RayGroupRunner:
     """`GroupRunner`'s helpers over a `RayDataParallelClient`."""
 
     def __init__(self, directory: str, ep_config, placement, **client_kwargs) -> None:
-        from deepinfer.cluster.ray_ep_group import RayDataParallelClient
+        from deepinfer.clients.factory import make_client
         from deepinfer.engine.engine_config import EngineConfig
         from tests.integration.expert_parallel_harness import GroupRunner
 
         self.loop = asyncio.new_event_loop()
         config = EngineConfig(model=directory, dtype="float32", num_kv_blocks=128, num_threads=1,
                               seed=0)
-        self.client = RayDataParallelClient(config, ep_config, placement,
-                                            ready_timeout_s=READY_DEADLINE_S, **client_kwargs)
+        self.client = make_client(config, ep_config=ep_config, rank_placement=placement,
+                                  ready_timeout_s=READY_DEADLINE_S, **client_kwargs)
         self._ids = 0
         for name in ("run", "collect", "generate", "wait_for", "close"):
             setattr(self, name, getattr(GroupRunner, name).__get__(self))
@@ -452,7 +452,7 @@ class RayGroupRunner:
 
 
 async def _ep_outcome(group, prompt, rank):
-    from deepinfer.server.engine_client import EngineDeadError
+    from deepinfer.engine.exceptions import EngineDeadError
     tokens = []
     try:
         async for delta in group.client.generate(f"kill-{rank}-{len(prompt)}", prompt, EP_LONG,

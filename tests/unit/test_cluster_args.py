@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from deepinfer.cli.errors import CLIError
-from deepinfer.cluster.cluster_args import add_cluster_args, cluster_client_from_args
+from deepinfer.cluster.cluster_args import add_cluster_args
+from deepinfer.clients.factory import client_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -29,7 +30,7 @@ def parse(*argv: str) -> argparse.Namespace:
 ])
 def test_bad_cluster_flags_raise_value_error_not_the_cli_type(argv, message):
     with pytest.raises(ValueError, match=message) as info:
-        cluster_client_from_args(parse(*argv), engine_config=None)
+        client_from_args(parse(*argv), engine_config=None)
     assert not isinstance(info.value, CLIError)
 
 
@@ -47,7 +48,7 @@ def test_serve_exits_2_with_one_line_on_bad_cluster_flags(capsys):
 
 def test_staging_memory_reaches_the_cluster_config():
     import asyncio
-    client = cluster_client_from_args(
+    client = client_from_args(
         parse("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
               "--kv-staging-memory", "512MiB", "--loop-stall-timeout", "12"), engine_config=None)
     try:

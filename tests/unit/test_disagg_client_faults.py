@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.clients.disagg import DisaggClient
 from deepinfer.cluster.messages import (AbortRequests, ClusterInput, DecodeRequest, PrefillDone,
                                         PrefillRequest, WorkerCounters, WorkerFailed,
                                         WorkerHeartbeat, WorkerLoadReport, WorkerReady,
@@ -24,7 +24,7 @@ from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.routing import RoutingRequest
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.server.messages import ChoiceDelta, RequestDelta, RequestError
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,8 +129,8 @@ async def drive_front(client, ctx: zmq.Context, workers: dict, test) -> None:
     """Run `test(client, workers)` with the front's output and health loops going, then close
     every socket (the front's, the fake workers') and both contexts."""
     client.tokenizer = object()
-    client._tasks = [asyncio.create_task(client._output_loop()),
-                     asyncio.create_task(client._health_loop())]
+    client._tasks = [asyncio.create_task(client.inbox.run()),
+                     asyncio.create_task(client.health.run())]
     try:
         await test(client, workers)
     finally:
@@ -252,7 +252,7 @@ def test_a_worker_whose_loop_stopped_advancing_is_suspended_and_comes_back():
         beating = asyncio.create_task(beat())
         retried = await other.expect(PrefillRequest)  # nothing streamed yet: moved
         assert retried.request_id == "r" and not client.workers[hung.worker_id].alive
-        assert client.num_suspended == 1 and client.num_retried == 1
+        assert client.health.num_suspended == 1 and client.health.num_retried == 1
         assert (await hung.expect(AbortRequests)).request_ids == ["r"]  # read when it resumes
         # A late output of the suspended worker for the moved request is ignored.
         first_token("r", hung)

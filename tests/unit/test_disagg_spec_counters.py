@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
-from deepinfer.cluster.disagg_client import DisaggClient
+from deepinfer.clients.disagg import DisaggClient
 from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport
 from deepinfer.core.spec_decode_stats import SpecDecodeStats
 from deepinfer.server.metrics import ServerMetrics

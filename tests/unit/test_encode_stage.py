@@ -15,7 +15,7 @@ from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, Encod
 from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
 from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire.channel import ChannelReceiver, channel_name
 
 

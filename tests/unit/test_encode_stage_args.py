@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from deepinfer.cluster.cluster_args import add_cluster_args, cluster_client_from_args
+from deepinfer.cluster.cluster_args import add_cluster_args
+from deepinfer.clients.factory import client_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -28,11 +29,11 @@ PD = ("--prefill-workers", "1", "--decode-workers", "1")
 ])
 def test_bad_encode_flags(argv, message):
     with pytest.raises(ValueError, match=message):
-        cluster_client_from_args(parse(*argv), engine_config=None)
+        client_from_args(parse(*argv), engine_config=None)
 
 
 def test_encode_flags_reach_the_encode_stage(tmp_path):
-    client = cluster_client_from_args(
+    client = client_from_args(
         parse("--encode-workers", "2", *PD, "--kv-store", f"fs://{tmp_path}", "--encode-cache", "64MiB",
               "--encode-router", "round-robin"), engine_config=None)
     try:
@@ -44,7 +45,7 @@ def test_encode_flags_reach_the_encode_stage(tmp_path):
 
 
 def test_no_encode_stage_without_the_flag():
-    client = cluster_client_from_args(parse(*PD, "--kv-store", "none"), engine_config=None)
+    client = client_from_args(parse(*PD, "--kv-store", "none"), engine_config=None)
     try:
         assert client.encode_stage is None
     finally:

@@ -18,9 +18,9 @@ from deepinfer.cluster.messages import DecodeRequest, WorkerFailed
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.ep.decode_rank import EPRankSpec
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.ep.ep_disagg_client import EPDisaggClient
+from deepinfer.clients.ep_disagg import EPDisaggClient
 from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.server.messages import ChoiceDelta, RequestDelta, RequestError
 from tests.unit.test_disagg_client_faults import (BLOCK, FakeWorker, consume, drive_front,
                                                   first_token, until)
@@ -80,7 +80,7 @@ def test_a_lost_rank_s_request_with_its_kv_still_staged_moves_to_the_other_group
             "r", [ChoiceDelta(0, "b", [6], finish_reason="length")], True)])
         result = await asyncio.wait_for(task, 20)
         assert result == {"tokens": [5, 6], "error": None}
-        assert client.num_retried == 1
+        assert client.health.num_retried == 1
     run_ep_front(test)
 
 
@@ -93,7 +93,7 @@ def test_a_lost_rank_s_request_whose_kv_had_arrived_fails_clearly():
         result = await asyncio.wait_for(task, 20)
         assert isinstance(result["error"], EngineDeadError), result
         assert f"{rank.worker_id} was lost" in str(result["error"]), result["error"]
-        assert client.num_retried == 0 and result["tokens"] == [5]
+        assert client.health.num_retried == 0 and result["tokens"] == [5]
     run_ep_front(test)
 
 
@@ -116,7 +116,7 @@ def test_a_retry_that_finds_the_kv_gone_fails_naming_the_lost_group():
         assert isinstance(result["error"], EngineDeadError), result
         assert f"decode group {int(lost[0][1]) // 2} lost: {rank.worker_id}" in error, error
         assert f"retried on {again.worker_id}" in error and "not staged" in error, error
-        assert client.num_retried == 1 and result["tokens"] == [5]
+        assert client.health.num_retried == 1 and result["tokens"] == [5]
     run_ep_front(test)
 
 

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from deepinfer.cluster.cluster_args import (_store_url_with_capacity, add_cluster_args,
-                                            cluster_client_from_args)
+from deepinfer.clients.factory import client_from_args
+from deepinfer.cluster.cluster_args import _store_url_with_capacity, add_cluster_args
 from deepinfer.core.prefix_hash import salt_hash
 from deepinfer.kvstore import open_store
 
@@ -41,4 +41,4 @@ def test_bad_capacity_is_a_clear_error(argv, message):
         _store_url_with_capacity(parse(*argv))
     args = parse("--prefill-workers", "1", "--decode-workers", "1", *argv)
     with pytest.raises(Exception, match=message):  # the CLI's one-line error, before any worker
-        cluster_client_from_args(args, engine_config=None)
+        client_from_args(args, engine_config=None)

@@ -21,6 +21,7 @@ def _socket_modules() -> list[pathlib.Path]:
              if any(marker in p.read_text() for marker in SOCKET_MARKERS)]
     # Everything that decodes what those modules receive.
     paths += list((ROOT / "wire").glob("*.py")) + list((ROOT / "kvstore").glob("*.py"))
+    paths += list((ROOT / "clients").glob("*.py"))  # the front side of every channel
     paths += [ROOT / "server" / "messages.py", ROOT / "cluster" / "messages.py",
               ROOT / "cluster" / "encode_messages.py", ROOT / "ep" / "messages.py"]
     return sorted(set(paths))
@@ -47,9 +48,9 @@ def _violations(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
 
 def test_the_scan_covers_every_socket_module():
     names = {p.relative_to(ROOT).as_posix() for p in _socket_modules()}
-    for expected in ("server/engine_client.py", "server/engine_proc.py",
-                     "cluster/kv_transport.py", "cluster/disagg_client.py",
-                     "cluster/worker_proc.py", "ep/dp_client.py", "ep/rank_proc.py",
+    for expected in ("clients/colocated.py", "server/engine_proc.py",
+                     "cluster/kv_transport.py", "clients/disagg.py", "clients/disagg_inbox.py",
+                     "cluster/worker_proc.py", "clients/data_parallel.py", "ep/rank_proc.py",
                      "kvstore/redis_store.py", "wire/tokenizer_files.py"):
         assert expected in names
 

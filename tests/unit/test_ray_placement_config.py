@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from deepinfer.cluster.cluster_args import add_cluster_args, cluster_client_from_args
+from deepinfer.cluster.cluster_args import add_cluster_args
+from deepinfer.clients.factory import client_from_args
 from deepinfer.cluster.launcher import LocalLauncher, launcher_from_args
 from deepinfer.cluster.ray_launcher import (RoleResources, check_store_locality,
                                             is_node_local_store, nodes_that_fit)
@@ -79,7 +80,7 @@ def parse(*argv: str) -> argparse.Namespace:
 ])
 def test_bad_cluster_flags_are_value_errors_before_ray_starts(argv, message):
     with pytest.raises(ValueError, match=message):
-        cluster_client_from_args(parse(*argv), engine_config=None)
+        client_from_args(parse(*argv), engine_config=None)
 
 
 def test_local_is_the_default_launcher():
@@ -89,7 +90,7 @@ def test_local_is_the_default_launcher():
 
 def test_placement_flags_reach_the_cluster_config():
     import asyncio
-    client = cluster_client_from_args(
+    client = client_from_args(
         parse("--prefill-workers", "1", "--decode-workers", "1", "--kv-store", "none",
               "--drain-timeout", "30", "--kv-store-shared"), engine_config=None)
     try:
@@ -98,7 +99,7 @@ def test_placement_flags_reach_the_cluster_config():
     finally:
         asyncio.run(client.shutdown())
     with pytest.raises(ValueError, match="drain_timeout_s must be positive"):
-        cluster_client_from_args(parse("--prefill-workers", "1", "--decode-workers", "1",
+        client_from_args(parse("--prefill-workers", "1", "--decode-workers", "1",
                                        "--kv-store", "none", "--drain-timeout", "0"), None)
 
 
@@ -116,7 +117,7 @@ def test_serve_exits_2_with_one_line_on_bad_ray_flags(capsys):
 # --- EP groups on Ray: placement-group sizing and the flags (no Ray started) -----------------
 
 def test_group_room_follows_the_placement_strategy():
-    from deepinfer.cluster.ray_ep_group import bundles_that_fit, group_room
+    from deepinfer.ep.ray_rank_group import bundles_that_fit, group_room
     nodes = [node("10.0.0.1", GPU=8.0, decode_node=8.0), node("10.0.0.2", GPU=4.0, decode_node=4.0),
              node("10.0.0.3", alive=False, GPU=8.0, decode_node=8.0), node("10.0.0.4", GPU=8.0)]
     rank = {"CPU": 1.0, "GPU": 1.0, "decode_node": 1.0}
@@ -143,20 +144,19 @@ def ep_args(**overrides) -> argparse.Namespace:
     ({"cluster": "slurm"}, "unknown --cluster 'slurm'"),
 ])
 def test_ep_placement_flags_are_checked_before_anything_starts(overrides, message):
-    from deepinfer.cluster.ray_ep_group import dp_client_from_args
     from deepinfer.ep.ep_config import EPConfig
     with pytest.raises(ValueError, match=message):
-        dp_client_from_args(ep_args(**overrides), None,
-                            EPConfig(data_parallel_size=2, enable_expert_parallel=True))
+        client_from_args(ep_args(**overrides), None,
+                         ep_config=EPConfig(data_parallel_size=2, enable_expert_parallel=True))
 
 
 def test_ep_groups_stay_local_by_default():
-    from deepinfer.cluster.ray_ep_group import RayDataParallelClient, dp_client_from_args
+    from deepinfer.clients.data_parallel import DataParallelClient
+    from deepinfer.clients.ray_data_parallel import RayDataParallelClient
     from deepinfer.engine.engine_config import EngineConfig
-    from deepinfer.ep.dp_client import DataParallelClient
     from deepinfer.ep.ep_config import EPConfig
-    client = dp_client_from_args(ep_args(), EngineConfig(),
-                                 EPConfig(data_parallel_size=2, enable_expert_parallel=True))
+    client = client_from_args(ep_args(), EngineConfig(),
+                              ep_config=EPConfig(data_parallel_size=2, enable_expert_parallel=True))
     try:
         assert type(client) is DataParallelClient and not isinstance(client, RayDataParallelClient)
     finally:

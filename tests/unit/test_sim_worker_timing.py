@@ -77,8 +77,8 @@ def test_front_exposes_the_timing_per_worker():
     client = SimpleNamespace(
         workers={"decode-1": handle},
         prefill_router=SimpleNamespace(num_routed={}, name="p", num_staging_full=0),
-        decode_router=SimpleNamespace(num_routed={}, name="d"), num_retried=0,
-        num_failed_by_worker_loss=0, num_suspended=0,
+        decode_router=SimpleNamespace(num_routed={}, name="d"),
+        health=SimpleNamespace(num_retried=0, num_failed_by_worker_loss=0, num_suspended=0),
         supervisor=SimpleNamespace(num_restarts={"prefill": 0, "decode": 0},
                                    num_gave_up={"prefill": 0, "decode": 0}))
     registry = CollectorRegistry()
@@ -128,8 +128,8 @@ def test_front_exposes_where_the_time_and_prefills_went():
     client = SimpleNamespace(
         workers={"prefill-0": handle},
         prefill_router=SimpleNamespace(num_routed={}, name="p", num_staging_full=0),
-        decode_router=SimpleNamespace(num_routed={}, name="d"), num_retried=0,
-        num_failed_by_worker_loss=0, num_suspended=0,
+        decode_router=SimpleNamespace(num_routed={}, name="d"),
+        health=SimpleNamespace(num_retried=0, num_failed_by_worker_loss=0, num_suspended=0),
         supervisor=SimpleNamespace(num_restarts={"prefill": 0, "decode": 0},
                                    num_gave_up={"prefill": 0, "decode": 0}))
     registry = CollectorRegistry()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.cli.main import main
-from deepinfer.server.engine_client import _add_counters
+from deepinfer.clients.colocated import _add_counters
 from deepinfer.server.messages import EngineStatsSnapshot
 from deepinfer.server.metrics import ServerMetrics
 

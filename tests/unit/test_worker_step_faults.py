@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.cluster.disagg_client import _worker_error
+from deepinfer.clients.disagg_track import _worker_error
 from deepinfer.engine.step_faults import DebugStepFault
-from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
+from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.server.messages import RequestError
 from tests.unit.test_step_fault_pinning import batch
 

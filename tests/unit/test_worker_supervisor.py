@@ -101,13 +101,13 @@ def test_serve_flag_bounds_worker_restarts():
     import asyncio
 
     from deepinfer.cli.serve import register
-    from deepinfer.cluster.cluster_args import cluster_client_from_args
+    from deepinfer.clients.factory import client_from_args
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--prefill-workers", "1", "--decode-workers", "1",
                               "--kv-store", "none", "--max-engine-restarts", "2"])
-    client = cluster_client_from_args(args, engine_config=None)  # binds a socket, no workers
+    client = client_from_args(args, engine_config=None)  # binds a socket, no workers
     try:
         assert client.supervisor.policy.max_restarts == 2
     finally:

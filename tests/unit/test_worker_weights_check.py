@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.cluster.messages import WorkerReady
 from deepinfer.cluster.worker_supervisor import WorkerState
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire import TokenizerFiles
 from tests.unit.test_disagg_client_faults import BLOCK, run_front
 
@@ -43,7 +43,7 @@ def test_a_worker_with_other_weights_never_joins():
         handle.alive, handle.ready, handle.proc = False, None, FakeProc(4321)
         client.supervisor.on_lost("p1", "killed", 0.0)
         client.supervisor.on_started("p1", 0.0)
-        client._on_worker_restart_ready(ready("p1", "prefill", "b" * 32, pid=4321))
+        client.health.on_restart_ready(ready("p1", "prefill", "b" * 32, pid=4321))
         assert handle.ready is None and handle.proc.killed
         assert client.supervisor.state("p1") is not WorkerState.STARTING
         assert "p1" not in {ld.worker_id for ld in client._loads("prefill")}
@@ -51,7 +51,7 @@ def test_a_worker_with_other_weights_never_joins():
         # The same files again: it is ready (routed after its first report).
         handle.proc = FakeProc(4322)
         client.supervisor.on_started("p1", 0.0)
-        client._on_worker_restart_ready(ready("p1", "prefill", "a" * 32, pid=4322))
+        client.health.on_restart_ready(ready("p1", "prefill", "a" * 32, pid=4322))
         assert handle.ready is not None and not handle.proc.killed
 
     run_front(test, max_worker_restarts=3)

@@ -11,7 +11,7 @@ What changes against the local launcher is only addressing and lifecycle:
   free there, not 127.0.0.1; gloo / NCCL are pointed at the interface holding that IP;
 - a rank's death is seen through Ray (its pending `wait()` fails) as well as through the
   rank's own EngineDead; the group is then killed as a whole, its placement group removed,
-  and `DataParallelClient`'s supervisor starts a new one (actors have `max_restarts=0`).
+  and the data-parallel client's supervisor starts a new one (actors have `max_restarts=0`).
 
 Ray is imported only when a `RayRankPlacement` is made."""
 from __future__ import annotations
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from deepinfer.cluster.ray_launcher import (DEFAULT_EP_STRATEGY, EP_PLACEMENT_STRATEGIES,
                                             LoopThread, RayActorProcess, RoleResources,
                                             connect_actors, disconnect_ray)
-from deepinfer.ep.dp_client import DataParallelClient
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle, front_sockets
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.engine.exceptions import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -238,28 +237,9 @@ class RayGroupHandle(GroupHandle):
         return [{"rank": h.rank, **(h.proc.info or {})} for h in self.ranks]
 
 
-class RayDataParallelClient(DataParallelClient):
-    """`DataParallelClient` whose groups are placed on Ray."""
-
-    def __init__(self, engine_config, ep_config, placement: RayRankPlacement, **kwargs) -> None:
-        super().__init__(engine_config, ep_config, **kwargs)
-        self.placement = placement
-        self.groups = [RayGroupHandle(g.index, g.size, placement=placement) for g in self.groups]
-
-    async def start(self) -> None:
-        self.placement.check(self.groups[0].size)
-        await super().start()
-
-    async def shutdown(self) -> None:
-        try:
-            await super().shutdown()
-        finally:
-            self.placement.close()
-
-
-def dp_client_from_args(args, engine_config, ep_config, **client_kwargs) -> DataParallelClient:
-    """The client of `serve --data-parallel-size N [--enable-expert-parallel]`: rank processes
-    on this machine (`--cluster local`), or placement groups on Ray."""
+def rank_placement_from_args(args, ep_config) -> RayRankPlacement | None:
+    """Where the rank groups of `serve --data-parallel-size N [--enable-expert-parallel]` run:
+    None for this machine (`--cluster local`), else placement groups on Ray (checked now)."""
     kind = getattr(args, "cluster", "local")
     resources = getattr(args, "ep_rank_resources", None)
     strategy = getattr(args, "ep_placement_strategy", None)
@@ -268,7 +248,7 @@ def dp_client_from_args(args, engine_config, ep_config, **client_kwargs) -> Data
                             ("--ep-placement-strategy", strategy)):
             if value is not None:
                 raise ValueError(f"{flag} needs --cluster ray")
-        return DataParallelClient(engine_config, ep_config, **client_kwargs)
+        return None
     if kind != "ray" and not kind.startswith("ray://"):
         from deepinfer.cluster.launcher import CLUSTER_KINDS_HELP
         raise ValueError(f"unknown --cluster {kind!r}: choose {CLUSTER_KINDS_HELP}")
@@ -289,4 +269,4 @@ def dp_client_from_args(args, engine_config, ep_config, **client_kwargs) -> Data
     except ValueError:
         placement.close()
         raise
-    return RayDataParallelClient(engine_config, ep_config, placement, **client_kwargs)
+    return placement

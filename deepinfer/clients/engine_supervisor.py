@@ -8,7 +8,7 @@
 
 An engine that stayed up for `stable_after_s` starts over at k = 1, so one killed once a day
 is restarted promptly every time, while one that crashes at load is retried a bounded number
-of times. The client does the process work (`EngineClient.wait_dead`, `restart_engine`); this
+of times. The client does the process work (`ColocatedClient.wait_dead`, `restart_engine`); this
 module only decides when.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Async client of one engine process, used by the API front (asyncio + zmq.asyncio).
+"""`ColocatedClient`: the front's client of one engine process (asyncio + zmq.asyncio).
 
 Each request gets an `asyncio.Queue` of `RequestDelta`s filled by one background task that
 reads the engine's output socket; `generate()` yields from it and aborts the request in the
@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -26,12 +25,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy, EngineSupervisor
+from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
+from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_proc import run_engine_proc
-from deepinfer.server.engine_supervisor import EngineRestartPolicy, EngineSupervisor
 from deepinfer.server.messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
-    EngineMessage, RequestDelta, Shutdown, rejection_error,
+    EngineMessage, RequestDelta, Shutdown,
 )
 from deepinfer.server.zmq_inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokenizer_from_files
@@ -40,30 +41,10 @@ from deepinfer.wire.drops import sum_reports
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine process died; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed while running this request; the engine dropped it and kept serving.
-    `engine_fault`: the fault was not this request's (every request in flight failed)."""
-
-    def __init__(self, message: str, engine_fault: bool = False) -> None:
-        super().__init__(message)
-        self.engine_fault = engine_fault
-
-
-class _RequestFailed:
-    """Queue item telling `generate()` to raise (engine rejected the request or died)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
 DEFAULT_LOOP_STALL_TIMEOUT_S = 30.0  # above the longest step (steps are budgeted in time)
 
 
-class EngineClient:
+class ColocatedClient:
     """Starts the engine process, multiplexes requests over its sockets, and (with a restart
     policy) restarts it when it dies."""
 
@@ -249,8 +230,7 @@ class EngineClient:
         the request, EngineDeadError if the engine dies. Aborts in the engine on early exit."""
         if not self.is_healthy:
             raise EngineDeadError(self.dead_message or "engine is not running")
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        check_new_stream(self._queues, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
@@ -267,7 +247,7 @@ class EngineClient:
             await self._send_frame(frame)
             while not finished:
                 item = await queue.get()
-                if isinstance(item, _RequestFailed):
+                if isinstance(item, StreamFailed):
                     finished = True  # the engine holds no state for it
                     raise item.error
                 finished = item.finished
@@ -330,9 +310,7 @@ class EngineClient:
         for error in message.errors:
             queue = self._queues.get(error.request_id)
             if queue is not None:
-                queue.put_nowait(_RequestFailed(
-                    RequestFailedError(error.message, error.engine_fault) if error.failed
-                    else rejection_error(error)))
+                queue.put_nowait(StreamFailed(engine_error(error)))
 
     async def _on_engine_dead(self, proc, input_socket, output_socket, message: str) -> None:
         if self._supervisor.policy.max_restarts > 0:
@@ -346,19 +324,7 @@ class EngineClient:
         logger.error("engine died: %s", message)
         self.dead_message = message
         for queue in self._queues.values():
-            queue.put_nowait(_RequestFailed(EngineDeadError(message)))
-
-
-def exit_message(exitcode: int | None) -> str:
-    """How a process ended, from its exit code: "was killed by SIGKILL", "exited with code 1"
-    (also the EP rank handles' wording)."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}"
-    return f"exited with code {exitcode}"
+            queue.put_nowait(StreamFailed(EngineDeadError(message)))
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",

@@ -1,18 +1,13 @@
-"""`DisaggClient`: the front door's client of a disaggregated cluster (drop-in for
-`server.engine_client.EngineClient`: same `generate` / `abort` / `start` / `shutdown`).
+"""`DisaggClient`: the front door's client of a disaggregated cluster.
 
     generate ─▶ prefill router ─PrefillRequest─▶ prefill worker ─first token─▶ client
                                                       │ PrefillDone
                decode router ◀────────────────────────┘
                     └─DecodeRequest─▶ decode worker ─pulls KV─▶ ... ─tokens─▶ client
 
-Health: every worker report is a heartbeat, and the heartbeat thread's `loop_age_s` says when
-the engine loop last advanced. A worker whose process exited or that sent `WorkerFailed` is
-lost (killed if need be; the supervisor restarts it). A worker silent for
-`heartbeat_timeout_s`, or whose loop has not advanced for `loop_stall_timeout_s` (hung step,
-SIGSTOP), is suspended: out of routing until its loop advances again, and lost if that takes
-more than `hung_restart_after_s`. Either way its requests are retried once on another
-prefill worker when nothing was streamed yet, else failed with a clear error.
+Three parts, one per file: this one (lifecycle and the request flow), `disagg_inbox`
+(everything workers send, dispatched to requests, routers and health) and `disagg_health`
+(suspension, loss, retries and restarts of workers).
 
 Giving up on a request (worker loss, worker error, no progress for `stall_timeout_s`, client
 gone) sends an abort to every worker that may hold state for it: the prefill worker (its KV
@@ -27,82 +22,44 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
+from deepinfer.clients.disagg_health import WorkerHealth
+from deepinfer.clients.disagg_inbox import WorkerInbox
+from deepinfer.clients.disagg_track import _Track
+from deepinfer.clients.request_stream import StreamFailed, check_new_stream
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.cluster_metrics import spec_decode_totals
+from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequest,
-                                        PrefillDone, PrefillRequest, ShutdownWorker, WorkerFailed,
-                                        WorkerHeartbeat,
-                                        WorkerLoadReport,
-                                        WorkerCounters, WorkerMessage, WorkerReady,
+                                        PrefillDone, PrefillRequest, ShutdownWorker,
+                                        WorkerLoadReport, WorkerMessage, WorkerReady,
                                         WorkerReport)
 from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_handle import WorkerHandle
-from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.cluster.worker_startup import await_workers_ready
-from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
+from deepinfer.cluster.worker_supervisor import WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.multimodal.mm_inputs import MultiModalInputs
 from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError, RequestFailedError
-from deepinfer.server.messages import (EngineStatsSnapshot, RequestDelta, RequestError,
-                                       rejection_error)
-from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
 from deepinfer.wire import ChannelReceiver, channel_name, tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
-HEALTH_CHECK_PERIOD_S = 0.1
 MAX_PLACEMENTS = 4096  # recent request -> workers history kept for metrics and debugging
 
 
-def _worker_error(error: RequestError, num_tokens_streamed: int) -> Exception:
-    """A worker's error as the front raises it: a step that failed while running the request
-    (500 request_failed), a refusal before anything was streamed (400), else a lost stream."""
-    if error.failed:
-        return RequestFailedError(error.message, error.engine_fault)
-    if num_tokens_streamed == 0:
-        return rejection_error(error)
-    return EngineDeadError(error.message)
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """Queued to a request's consumer: raise `error`."""
-
-    error: Exception
-
-
-@dataclass
-class _Track:
-    """The front's record of one request in flight."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    queue: asyncio.Queue
-    phase: str = "prefill"  # -> "decode"
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    num_tokens_streamed: int = 0
-    num_retries: int = 0
-    last_progress: float = 0.0
-    kv_pending: bool = False  # staged on the prefill worker, not yet received by decode
-    mm_inputs: MultiModalInputs | None = None  # image placeholders (pixels: no encode stage)
-    failed: bool = False  # the consumer was handed an error
-    aborted: bool = False  # aborts were sent to every worker holding state
-
-
 class DisaggClient:
+    supports_prompt_logprobs = False  # workers do not forward them
+
     def __init__(self, engine_config, cluster: ClusterConfig,
                  launcher: WorkerLauncher | None = None) -> None:
         self.engine_config = engine_config
@@ -120,11 +77,8 @@ class DisaggClient:
         self.workers: dict[str, WorkerHandle] = {}
         self._requests: dict[str, _Track] = {}
         self._tasks: list[asyncio.Task] = []
-        self.num_retried = 0
         # request id -> [prefill worker, decode worker] of recent requests (bounded).
         self.placements: OrderedDict[str, list[str | None]] = OrderedDict()
-        self.num_failed_by_worker_loss = 0
-        self.num_suspended = 0  # workers taken out of routing as unresponsive (a metric)
         self.supervisor = WorkerSupervisor(cluster.restart_policy)  # restarts lost workers
         self.encode_stage = None  # E/P/D: encode workers (cluster/encode_stage.py)
         if cluster.num_encode_workers:
@@ -139,10 +93,16 @@ class DisaggClient:
         self._output, self._output_addr = bind_worker_output(self._ctx, cluster.host)
         self._decoder = ChannelReceiver(channel_name("worker.output", self._output_addr),
                                         self._worker_message_type())
+        self.inbox = WorkerInbox(self)
+        self.health = WorkerHealth(self)
 
     def _worker_message_type(self):
         """What workers may send on the shared output channel (a subclass adds its own)."""
         return WorkerMessage
+
+    def _on_other_message(self, message) -> None:
+        """A message a subclass added to the worker protocol (its `_decoder` reads it), e.g.
+        the EPLB results of an expert-parallel decode group."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     def _make_handle(self, role: str, index: int) -> WorkerHandle:
@@ -189,8 +149,8 @@ class DisaggClient:
                 handle.last_report = WorkerLoadReport(0, 0, 0, 0, r.num_kv_blocks, r.block_size,
                                                       0, r.max_num_seqs)
                 handle.load = handle.to_worker_load(handle.last_report, now)
-        self._tasks = [asyncio.create_task(self._output_loop(), name="cluster-output-loop"),
-                       asyncio.create_task(self._health_loop(), name="cluster-health-loop")]
+        self._tasks = [asyncio.create_task(self.inbox.run(), name="cluster-output-loop"),
+                       asyncio.create_task(self.health.run(), name="cluster-health-loop")]
 
     async def _wait_ready(self) -> None:
         await await_workers_ready(self._output, self._decoder, self.workers,
@@ -198,7 +158,7 @@ class DisaggClient:
 
     async def _on_startup_message(self, message) -> str | None:
         if isinstance(message, WorkerReady):
-            other = self._other_weights(message)
+            other = self.health.other_weights(message)
             if other is not None:
                 raise EngineDeadError(other)
             self.workers[message.worker_id].ready = message
@@ -209,7 +169,7 @@ class DisaggClient:
                 self.tokenizer = tokenizer_from_files(message.tokenizer_files)
             return message.worker_id
         if isinstance(message, WorkerReport):
-            await self._on_report(message)
+            await self.inbox.on_report(message)
         return None
 
     async def shutdown(self) -> None:
@@ -239,7 +199,7 @@ class DisaggClient:
         from deepinfer.cluster.cluster_metrics import ClusterCollector
         registry.register(ClusterCollector(self))
         if self.encode_stage is not None:
-            from deepinfer.cluster.encode_metrics import EncodeCollector
+            from deepinfer.multimodal.encode_metrics import EncodeCollector
             registry.register(EncodeCollector(self.encode_stage))
 
     @property
@@ -280,7 +240,7 @@ class DisaggClient:
                        params: SamplingParams, arrival_time: float | None = None,
                        mm_inputs: MultiModalInputs | None = None,
                        ) -> AsyncIterator[RequestDelta]:
-        """Yield the request's deltas until it finishes; see `EngineClient.generate`.
+        """Yield the request's deltas until it finishes; see `ColocatedClient.generate`.
         `mm_inputs`: the prompt's images; with encode workers they are encoded there first
         and the prefill worker gets only the placeholders (it fetches the embeddings)."""
         if not self.is_healthy:
@@ -288,8 +248,7 @@ class DisaggClient:
                                   "decode worker")
         if params.n != 1:
             raise ValueError("disaggregated serving supports n=1 only")
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        check_new_stream(self._requests, request_id)
         self._check_decode_fit(request_id, len(prompt_token_ids))
         arrival_time = arrival_time or time.monotonic()
         if mm_inputs is not None and self.encode_stage is not None and mm_inputs.pixel_values:
@@ -303,7 +262,7 @@ class DisaggClient:
             await self._send_prefill(track, exclude=None)
             while not finished:
                 item = await track.queue.get()
-                if isinstance(item, _Failed):
+                if isinstance(item, StreamFailed):
                     raise item.error
                 finished = item.finished
                 yield item
@@ -351,7 +310,7 @@ class DisaggClient:
         if track.failed:
             return
         track.failed = True
-        track.queue.put_nowait(_Failed(error))
+        track.queue.put_nowait(StreamFailed(error))
         await self._abort_track(track)
 
     def _forget_placement(self, track: _Track) -> None:
@@ -368,8 +327,12 @@ class DisaggClient:
             await handle.input_socket.send(handle.sender.encode(message), copy=False)
         except zmq.Again:
             # Not awaited here: worker-loss handling sends to other workers and fails requests.
-            self._tasks.append(asyncio.get_running_loop().create_task(self._on_worker_dead(
+            self._tasks.append(asyncio.get_running_loop().create_task(self.health.on_worker_dead(
                 worker_id, f"its input socket accepted nothing for {SEND_TIMEOUT_MS} ms")))
+
+    def router_of(self, role: str):
+        """The router that places requests on `role` workers."""
+        return self.prefill_router if role == "prefill" else self.decode_router
 
     def _loads(self, role: str):
         return [h.load for h in self.workers.values()
@@ -432,279 +395,3 @@ class DisaggClient:
         """Fault injection (tests, chaos runs): `worker_id`'s engine loop stops advancing until
         the file `release_path` exists (its heartbeat thread keeps beating)."""
         await self._send(worker_id, DebugHangLoop(release_path, max_s))
-
-    # --- worker messages ---------------------------------------------------------------------
-    async def _output_loop(self) -> None:
-        while True:
-            message = await receive_message(self._output, self._decoder.decode, "a worker")
-            if isinstance(message, WorkerReport):
-                await self._on_report(message)
-                for done in message.prefill_done:
-                    track = self._requests.get(done.request_id)
-                    if track is None or track.prefill_worker != message.worker_id \
-                            or track.failed or track.phase != "prefill":
-                        await self._send(message.worker_id, AbortRequests([done.request_id]))
-                        continue
-                    self.prefill_router.on_prefill_done(done.request_id)  # blocks published
-                    await self._send_decode(track, done)
-            elif isinstance(message, WorkerHeartbeat):
-                self._on_heartbeat(message)
-            elif isinstance(message, WorkerReady):
-                self._on_worker_restart_ready(message)
-            elif isinstance(message, WorkerFailed):
-                await self._on_worker_dead(message.worker_id, f"worker failed: "
-                                           f"{message.message.strip().splitlines()[-1]}")
-            elif message is not None:  # None: a dropped frame
-                self._on_other_message(message)
-
-    def _on_other_message(self, message) -> None:
-        """A message a subclass added to the worker protocol (its `_decoder` reads it), e.g.
-        the EPLB results of an expert-parallel decode group."""
-
-    def _on_heartbeat(self, beat: WorkerHeartbeat) -> None:
-        handle = self.workers.get(beat.worker_id)
-        if handle is None:
-            return
-        now = time.monotonic()
-        handle.last_seen = now
-        handle.last_loop_advance = max(handle.last_loop_advance, now - beat.loop_age_s)
-        if handle.suspended_since is not None and \
-                handle.last_loop_advance > handle.suspended_since:
-            self._resume_worker(handle)
-
-    async def _on_report(self, report: WorkerReport) -> None:
-        handle = self.workers.get(report.worker_id)
-        if handle is None:
-            return
-        now = time.monotonic()
-        if not handle.alive:
-            if handle.suspended_since is not None:
-                self._resume_worker(handle)  # reports come from the loop: it advanced
-            else:
-                self._maybe_readmit(handle)
-        if not handle.alive:
-            return
-        handle.last_seen = handle.last_loop_advance = now
-        handle.last_report = report.load
-        handle.counters = report.counters
-        handle.load = handle.to_worker_load(report.load, now)
-        router = self.prefill_router if handle.role == "prefill" else self.decode_router
-        router.on_load_report(handle.load)
-        for delta in report.outputs:
-            track = self._current_track(delta.request_id, report.worker_id)
-            if track is None:
-                continue
-            track.num_tokens_streamed += sum(len(c.token_ids) for c in delta.choices)
-            track.last_progress = now
-            track.queue.put_nowait(delta)
-        for request_id in report.kv_received:
-            track = self._current_track(request_id, report.worker_id)
-            if track is not None and track.kv_pending:
-                track.kv_pending = False
-                track.last_progress = now
-                prefill = self.workers.get(track.prefill_worker)
-                if prefill is not None:
-                    prefill.request_ids.discard(request_id)
-        for error in report.errors:
-            track = self._current_track(error.request_id, report.worker_id)
-            if track is not None:
-                await self._give_up(track, _worker_error(error, track.num_tokens_streamed))
-
-    def _current_track(self, request_id: str, worker_id: str) -> _Track | None:
-        """The live request, if `worker_id` is the one now serving it: a worker that was
-        suspended or replaced may still report requests that moved elsewhere."""
-        track = self._requests.get(request_id)
-        if track is None or track.failed:
-            return None
-        serving = track.prefill_worker if track.phase == "prefill" else track.decode_worker
-        return track if serving == worker_id else None
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_CHECK_PERIOD_S)
-            now = time.monotonic()
-            for handle in list(self.workers.values()):
-                await self._check_worker(handle, now)
-            self._supervise_workers(time.monotonic())
-            for track in list(self._requests.values()):
-                if not track.failed and now - track.last_progress > self.cluster.stall_timeout_s:
-                    await self._give_up(track, EngineDeadError(
-                        f"request made no progress for {self.cluster.stall_timeout_s:.0f} s"))
-
-    async def _check_worker(self, handle: WorkerHandle, now: float) -> None:
-        suspended = handle.suspended_since is not None
-        if not (handle.alive or suspended):
-            return
-        c = self.cluster
-        if handle.proc is not None and not handle.proc.is_alive():
-            await self._on_worker_dead(handle.worker_id, f"process exited ({handle.proc.exitcode})")
-        elif suspended:
-            if now - handle.suspended_since > c.hung_restart_after_s:
-                await self._on_worker_dead(handle.worker_id, f"unresponsive for "
-                                           f"{now - handle.suspended_since:.0f} s "
-                                           f"({handle.dead_reason})")
-        elif now - handle.last_seen > c.heartbeat_timeout_s:
-            await self._suspend_worker(handle.worker_id, f"missed heartbeats (silent for "
-                                                         f"{now - handle.last_seen:.1f} s)")
-        elif now - handle.last_loop_advance > c.loop_stall_timeout_s:
-            await self._suspend_worker(handle.worker_id, f"its engine loop has not advanced for "
-                                                         f"{now - handle.last_loop_advance:.1f} s")
-
-    async def _on_worker_dead(self, worker_id: str, reason: str) -> None:
-        """Lost for good (exited, failed, unreachable, or unresponsive too long): kill what is
-        left of it; the supervisor decides on a restart."""
-        handle = self.workers[worker_id]
-        if not handle.alive and handle.suspended_since is None:
-            return
-        logger.error("%s removed from routing: %s", worker_id, reason)
-        handle.alive, handle.dead_reason, handle.suspended_since = False, reason, None
-        router = self.prefill_router if handle.role == "prefill" else self.decode_router
-        router.remove_worker(worker_id)
-        await self._release_requests(handle, reason)
-        if handle.proc is not None and handle.proc.is_alive():
-            handle.proc.kill()  # a hung worker must not come back with stale state
-        self._on_worker_lost(handle, reason)
-
-    async def _suspend_worker(self, worker_id: str, reason: str) -> None:
-        """Unresponsive but not gone: out of routing, its requests retried or failed (and
-        aborted on it, which it reads when it resumes), back in routing when it advances."""
-        handle = self.workers[worker_id]
-        if not handle.alive:
-            return
-        logger.error("%s suspended from routing: %s", worker_id, reason)
-        handle.alive, handle.dead_reason = False, reason
-        handle.suspended_since = time.monotonic()
-        self.num_suspended += 1
-        router = self.prefill_router if handle.role == "prefill" else self.decode_router
-        router.remove_worker(worker_id)
-        await self._release_requests(handle, reason)
-
-    def _resume_worker(self, handle: WorkerHandle) -> None:
-        now = time.monotonic()
-        logger.warning("%s is back in routing after %.1f s unresponsive (%s)", handle.worker_id,
-                       now - handle.suspended_since, handle.dead_reason)
-        handle.alive, handle.dead_reason, handle.suspended_since = True, None, None
-        handle.last_seen = now
-        router = self.prefill_router if handle.role == "prefill" else self.decode_router
-        router.add_worker(handle.worker_id)
-
-    async def _release_requests(self, handle: WorkerHandle, reason: str) -> None:
-        """Move or fail every request `handle` holds (it is out of routing already)."""
-        worker_id = handle.worker_id
-        for request_id in sorted(handle.request_ids):
-            track = self._requests.get(request_id)
-            if track is None or track.failed:
-                continue
-            if handle.role == "prefill" and track.phase == "prefill" \
-                    and track.num_tokens_streamed == 0 and track.num_retries == 0:
-                track.num_retries += 1
-                self.num_retried += 1
-                track.last_progress = time.monotonic()
-                await self._send(worker_id, AbortRequests([request_id]))  # if it resumes
-                self.prefill_router.on_request_aborted(request_id, worker_id)
-                try:
-                    await self._send_prefill(track, exclude=worker_id)
-                    continue
-                except EngineDeadError as exc:
-                    reason = f"{reason}; retry impossible: {exc}"
-            self.num_failed_by_worker_loss += 1
-            # A suspended worker may come back, but its stream cannot continue elsewhere.
-            what = "stopped responding" if handle.suspended_since is not None else "was lost"
-            if handle.role == "prefill" and track.phase == "decode":
-                message = (f"prefill worker {worker_id} {what} ({reason}) before decode "
-                           f"worker {track.decode_worker} received the request's KV")
-            else:
-                message = (f"{handle.role} worker {worker_id} {what} ({reason}) after "
-                           f"{track.num_tokens_streamed} streamed tokens")
-            # Aborts every other holder too: staged KV, a pull in flight, allocated blocks.
-            await self._give_up(track, EngineDeadError(message))
-        handle.request_ids.clear()
-
-    # --- self-healing (policy and back-off: worker_supervisor) --------------------------------
-    def _on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:
-        decision = self.supervisor.on_lost(handle.worker_id, reason, time.monotonic())
-        if decision.gave_up:
-            logger.error("giving up on %s after %d restarts in a row; it stays out of routing "
-                         "(last loss: %s)", handle.worker_id, decision.num_consecutive, reason)
-        else:
-            logger.warning("%s will be restarted in %.1f s (restart %d in a row)",
-                           handle.worker_id, decision.restart_at - time.monotonic(),
-                           decision.num_consecutive)
-
-    def _supervise_workers(self, now: float) -> None:
-        """Start due restarts; a replacement that exited or never became ready is lost again."""
-        for worker_id in self.supervisor.start_overdue(now):
-            handle = self.workers[worker_id]
-            if handle.proc is not None and handle.proc.is_alive():
-                handle.proc.kill()
-            self._on_worker_lost(handle, f"not ready after {self.cluster.ready_timeout_s:.0f} s")
-        for handle in self.workers.values():
-            if handle.alive or self.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
-                continue
-            if handle.proc is not None and not handle.proc.is_alive():
-                self._on_worker_lost(handle, f"restarted process exited ({handle.proc.exitcode})")
-        for worker_id in self.supervisor.due(now):
-            self._restart_worker(worker_id)
-
-    def _restart_worker(self, worker_id: str) -> None:
-        """Spawn a fresh process for a lost worker (same id and input socket). It stays out of
-        routing until its `WorkerReady` and first report (`_maybe_readmit`)."""
-        handle = self.workers[worker_id]
-        handle.ready = handle.load = handle.last_report = None
-        handle.counters = WorkerCounters()  # a new process counts from zero
-        handle.request_ids.clear()
-        handle.proc = self.launcher.process(handle.spec)
-        self.supervisor.on_started(worker_id, time.monotonic())
-        try:
-            handle.proc.start()
-        except OSError as exc:  # e.g. out of memory or pids: back off and try again
-            handle.proc = None
-            self._on_worker_lost(handle, f"could not spawn: {exc}")
-            return
-        logger.warning("restarting %s (pid %s)", worker_id, handle.proc.pid)
-
-    def _on_worker_restart_ready(self, ready: WorkerReady) -> None:
-        handle = self.workers.get(ready.worker_id)
-        if handle is None or handle.alive or handle.proc is None or ready.pid != handle.proc.pid:
-            return  # a stale announcement of a process already replaced
-        other = self._other_weights(ready)
-        if other is not None:  # never routed to: its KV would be wrong on every other worker
-            logger.error("%s", other)
-            if handle.proc.is_alive():
-                handle.proc.kill()
-            self._on_worker_lost(handle, other)
-            return
-        handle.ready = ready
-
-    def _other_weights(self, ready: WorkerReady) -> str | None:
-        """Why `ready`'s worker must not join (None if it may): KV computed with other weights
-        looks like any other KV (same shapes), so a hand-off or a store block between such
-        workers would be a silently wrong answer. E.g. a model path that holds other files
-        on another machine (Ray)."""
-        if not ready.weights_fingerprint:  # nothing to compare: it cannot be trusted with KV
-            return (f"{ready.worker_id} reported no weights fingerprint (a build that does "
-                    f"not say which files it loaded); its KV could not be checked")
-        if not self.weights_fingerprint:
-            self.weights_fingerprint = ready.weights_fingerprint
-            return None
-        if ready.weights_fingerprint == self.weights_fingerprint:
-            return None
-        return (f"{ready.worker_id} loaded other model files (weights fingerprint "
-                f"{ready.weights_fingerprint[:12]}, the cluster's is "
-                f"{self.weights_fingerprint[:12]}): check that --model names the same files on "
-                f"every machine")
-
-    def _maybe_readmit(self, handle: WorkerHandle) -> None:
-        """A report from a restarted worker that announced itself: route to it again."""
-        if handle.ready is None or \
-                self.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
-            return
-        now = time.monotonic()
-        handle.alive, handle.dead_reason = True, None
-        handle.last_seen = handle.last_loop_advance = now  # not the old process's liveness
-        router = self.prefill_router if handle.role == "prefill" else self.decode_router
-        router.add_worker(handle.worker_id)
-        outage = self.supervisor.on_admitted(handle.worker_id, now)
-        if outage is not None:
-            logger.warning("%s is back in routing %.1f s after it was lost (%s)",
-                           handle.worker_id, outage.recovery_s, outage.reason)

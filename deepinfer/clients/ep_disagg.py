@@ -6,7 +6,7 @@
                             decode-N ...       decode-(2N-1)     group 1
     decode router: sees every rank as a decode worker (running requests + KV tokens per rank)
 
-Everything else is `DisaggClient`'s. What differs is faults: a rank cannot step without its
+Everything else is `DisaggClient`'s. What differs is faults (`EPGroupHealth`): a rank cannot step without its
 peers, so a rank lost or unresponsive takes its whole group out of routing at once (the peers
 are killed, not left waiting on collective timeouts), and a group is restarted as a whole, all
 ranks together on a fresh rendezvous port. A request the lost group had streamed nothing for
@@ -22,21 +22,23 @@ import dataclasses
 import logging
 import time
 
-
+from deepinfer.clients.disagg import DisaggClient
+from deepinfer.clients.disagg_health import WorkerHealth
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.disagg_client import DisaggClient
 from deepinfer.cluster.messages import PrefillDone, WorkerMessage
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_supervisor import WorkerState
+from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.ep.decode_rank import EPRankSpec
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.ep_metrics import DecodeGroupEPLBCollector, GroupEPLB, record_rebalance
 from deepinfer.ep.messages import WorkerEPLBStats
 from deepinfer.ep.process_group import free_port
-from deepinfer.server.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 ROOT_CAUSE_GRACE_S = 0.5  # how long a failed rank's peers are watched for the one that died
+
+
 
 
 class EPDisaggClient(DisaggClient):
@@ -58,6 +60,7 @@ class EPDisaggClient(DisaggClient):
         # request id -> the group loss it was retried after: a retry that still fails (the lost
         # rank had pulled the KV unbeknown to us) says why it was moved.
         self._retried_after: dict[str, str] = {}
+        self.health = EPGroupHealth(self)
 
     async def start(self) -> None:
         from deepinfer.runtime.model_source import resolve_model
@@ -105,38 +108,6 @@ class EPDisaggClient(DisaggClient):
                              "supported")
         return await super().scale(role, count, wait)
 
-    # --- faults: a group lives and dies as one -------------------------------------------------
-    async def _on_worker_dead(self, worker_id: str, reason: str) -> None:
-        handle = self.workers[worker_id]
-        root = await self._root_cause(handle)
-        if root is not None:  # e.g. a peer's collective failed because this rank was killed
-            handle, worker_id = root, root.worker_id
-            reason = f"process exited ({root.proc.exitcode})"
-        if handle.alive or handle.suspended_since is not None:
-            for peer in self.group_members(handle):  # no request moves to a doomed peer
-                self.decode_router.remove_worker(peer.worker_id)
-        await super()._on_worker_dead(worker_id, reason)
-        for peer in self.group_members(handle):
-            if peer.alive or peer.suspended_since is not None:
-                await super()._on_worker_dead(peer.worker_id, self._group_reason(handle, reason))
-
-    async def _root_cause(self, handle: WorkerHandle) -> WorkerHandle | None:
-        """A peer of `handle` whose process exited, if one does within a short grace: a rank
-        killed mid-collective makes its peers fail at once, often before its exit is seen,
-        and the report should name the rank that died, not the ones it took down."""
-        if handle.spec.ep_rank is None or (handle.proc is not None and
-                                           not handle.proc.is_alive()):
-            return None
-        deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
-        while True:
-            for peer in self.group_members(handle):
-                if peer is not handle and peer.alive and peer.proc is not None \
-                        and not peer.proc.is_alive():
-                    return peer
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(0.02)
-
     async def _send_decode(self, track, done: PrefillDone) -> None:
         self._decode_sent[track.request_id] = (done, track.num_tokens_streamed)
         await super()._send_decode(track, done)
@@ -152,69 +123,107 @@ class EPDisaggClient(DisaggClient):
             error = EngineDeadError(f"{loss}; retried on {track.decode_worker}: {error}")
         await super()._give_up(track, error)
 
-    async def _release_requests(self, handle: WorkerHandle, reason: str) -> None:
+
+class EPGroupHealth(WorkerHealth):
+    """`WorkerHealth` of a cluster whose decode workers are EP group ranks: a group lives
+    and dies as one."""
+
+    async def on_worker_dead(self, worker_id: str, reason: str) -> None:
+        handle = self.client.workers[worker_id]
+        root = await self._root_cause(handle)
+        if root is not None:  # e.g. a peer's collective failed because this rank was killed
+            handle, worker_id = root, root.worker_id
+            reason = f"process exited ({root.proc.exitcode})"
+        if handle.alive or handle.suspended_since is not None:
+            for peer in self.client.group_members(handle):  # no request moves to a doomed peer
+                self.client.decode_router.remove_worker(peer.worker_id)
+        await super().on_worker_dead(worker_id, reason)
+        for peer in self.client.group_members(handle):
+            if peer.alive or peer.suspended_since is not None:
+                await super().on_worker_dead(peer.worker_id, self._group_reason(handle, reason))
+
+    async def _root_cause(self, handle: WorkerHandle) -> WorkerHandle | None:
+        """A peer of `handle` whose process exited, if one does within a short grace: a rank
+        killed mid-collective makes its peers fail at once, often before its exit is seen,
+        and the report should name the rank that died, not the ones it took down."""
+        if handle.spec.ep_rank is None or (handle.proc is not None and
+                                           not handle.proc.is_alive()):
+            return None
+        deadline = time.monotonic() + ROOT_CAUSE_GRACE_S
+        while True:
+            for peer in self.client.group_members(handle):
+                if peer is not handle and peer.alive and peer.proc is not None \
+                        and not peer.proc.is_alive():
+                    return peer
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.02)
+
+    async def release_requests(self, handle: WorkerHandle, reason: str) -> None:
         """A lost rank's requests: those it streamed nothing for and whose KV is still staged
         on the prefill worker go to a rank of another healthy group, once; the rest fail with
-        a clear error (`DisaggClient._release_requests`)."""
+        a clear error (`WorkerHealth.release_requests`)."""
         if handle.spec.ep_rank is not None and self._other_group_routable(handle):
             for request_id in sorted(handle.request_ids):
-                track = self._requests.get(request_id)
-                sent = self._decode_sent.get(request_id)
+                track = self.client._requests.get(request_id)
+                sent = self.client._decode_sent.get(request_id)
                 if track is None or track.failed or sent is None or track.phase != "decode" \
                         or track.decode_worker != handle.worker_id or not track.kv_pending \
                         or track.num_tokens_streamed != sent[1] or track.num_retries:
                     continue
                 handle.request_ids.discard(request_id)
-                self.decode_router.on_request_aborted(request_id, handle.worker_id)
+                self.client.decode_router.on_request_aborted(request_id, handle.worker_id)
                 track.num_retries += 1
                 self.num_retried += 1
                 track.last_progress = time.monotonic()
-                self._retried_after[request_id] = self._group_reason(handle, reason)
+                self.client._retried_after[request_id] = self._group_reason(handle, reason)
                 logger.warning("%s: decode retried on another group (%s)", request_id,
-                               self._retried_after[request_id])
-                await self._send_decode(track, sent[0])  # fails it clearly if none can take it
-        await super()._release_requests(handle, reason)
+                               self.client._retried_after[request_id])
+                # fails it clearly if no other group can take it
+                await self.client._send_decode(track, sent[0])
+        await super().release_requests(handle, reason)
 
     def _other_group_routable(self, handle: WorkerHandle) -> bool:
-        group = {m.worker_id for m in self.group_members(handle)}
-        return any(load.worker_id not in group for load in self._loads("decode"))
+        group = {m.worker_id for m in self.client.group_members(handle)}
+        return any(load.worker_id not in group for load in self.client._loads("decode"))
 
-    async def _suspend_worker(self, worker_id: str, reason: str) -> None:
+    async def suspend_worker(self, worker_id: str, reason: str) -> None:
         """An unresponsive rank stalls its peers' collectives: the group is lost, not paused."""
-        if self.workers[worker_id].spec.ep_rank is None:
-            await super()._suspend_worker(worker_id, reason)
+        if self.client.workers[worker_id].spec.ep_rank is None:
+            await super().suspend_worker(worker_id, reason)
         else:
-            await self._on_worker_dead(worker_id, f"unresponsive ({reason})")
+            await self.on_worker_dead(worker_id, f"unresponsive ({reason})")
 
-    def _on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:
-        super()._on_worker_lost(handle, reason)
-        for peer in self.group_members(handle):
+    def on_worker_lost(self, handle: WorkerHandle, reason: str) -> None:
+        super().on_worker_lost(handle, reason)
+        for peer in self.client.group_members(handle):
             if peer is handle:
                 continue
-            state = self.supervisor.state(peer.worker_id)
+            state = self.client.supervisor.state(peer.worker_id)
             if state is WorkerState.STARTING:  # a group restart that cannot form any more
                 if peer.proc is not None and peer.proc.is_alive():
                     peer.proc.kill()
-                super()._on_worker_lost(peer, self._group_reason(handle, reason))
+                super().on_worker_lost(peer, self._group_reason(handle, reason))
             elif peer.alive or peer.suspended_since is not None:
-                self._tasks.append(asyncio.get_running_loop().create_task(
-                    self._on_worker_dead(peer.worker_id, self._group_reason(handle, reason))))
+                self.client._tasks.append(asyncio.get_running_loop().create_task(
+                    self.on_worker_dead(peer.worker_id, self._group_reason(handle, reason))))
 
-    def _restart_worker(self, worker_id: str) -> None:
+    def restart_worker(self, worker_id: str) -> None:
         """Restart the whole group at once, on a fresh rendezvous port, when all its ranks
         wait for a restart (the first one due starts them all)."""
-        handle = self.workers[worker_id]
+        handle = self.client.workers[worker_id]
         if handle.spec.ep_rank is None:
-            super()._restart_worker(worker_id)
+            super().restart_worker(worker_id)
             return
-        members = self.group_members(handle)
-        if any(self.supervisor.state(m.worker_id) is not WorkerState.BACKOFF for m in members):
+        members = self.client.group_members(handle)
+        supervisor = self.client.supervisor
+        if any(supervisor.state(m.worker_id) is not WorkerState.BACKOFF for m in members):
             return  # started with its group already, or a peer gave up / is still going down
         port = free_port()
         for member in members:
             member.spec = dataclasses.replace(member.spec, ep_rank=dataclasses.replace(
                 member.spec.ep_rank, port=port))
-            super()._restart_worker(member.worker_id)
+            super().restart_worker(member.worker_id)
 
     @staticmethod
     def _group_reason(handle: WorkerHandle, reason: str) -> str:

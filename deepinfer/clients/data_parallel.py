@@ -1,5 +1,5 @@
-"""Front-side client of data-parallel rank processes (EngineClient's interface, so the API
-server runs on it unchanged): `deepinfer serve --data-parallel-size N [--enable-expert-parallel]`.
+"""`DataParallelClient`: the front's client of data-parallel rank processes
+(`deepinfer serve --data-parallel-size N [--enable-expert-parallel]`).
 
     front ──▶ least-loaded rank of a healthy group ──▶ that rank's engine (own KV cache)
            ◀── deltas from every rank (one reader task per rank)
@@ -23,16 +23,16 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from deepinfer.clients.engine_supervisor import EngineRestartPolicy
+from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
+from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp
 from deepinfer.ep.ep_metrics import record_rebalance
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError, RequestFailedError, exit_message
-from deepinfer.server.engine_supervisor import EngineRestartPolicy
 from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
-                                       EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder,
-                                       rejection_error)
+                                       EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder)
 from deepinfer.wire import tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 
@@ -43,12 +43,6 @@ _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
              "prediction_abs_error_sum", "num_predicted_steps")
 
 
-class _Failed:
-    def __init__(self, error: Exception, group_lost: bool) -> None:
-        self.error = error
-        self.group_lost = group_lost  # retryable elsewhere if nothing was streamed
-
-
 class _Track:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -57,6 +51,8 @@ class _Track:
 
 
 class DataParallelClient:
+    supports_prompt_logprobs = False  # rank loops do not forward them
+
     def __init__(self, engine_config, ep_config: EPConfig, *, ready_timeout_s: float = 600.0,
                  log_level: str = "WARNING",
                  restart_policy: EngineRestartPolicy | None = None) -> None:
@@ -200,14 +196,16 @@ class DataParallelClient:
 
     # --- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, arrival_time: float | None = None, *,
-                       rank: int | None = None) -> AsyncIterator[RequestDelta]:
-        """As EngineClient.generate; `rank` pins the request to one global rank (tests)."""
-        if request_id in self._tracks:
-            raise ValueError(f"duplicate request id {request_id!r}")
+                       params: SamplingParams, arrival_time: float | None = None,
+                       mm_inputs=None, *, rank: int | None = None,
+                       ) -> AsyncIterator[RequestDelta]:
+        """As ColocatedClient.generate (`mm_inputs`: the prompt's images, for the rank's own
+        vision tower); `rank` pins the request to one global rank (tests)."""
+        check_new_stream(self._tracks, request_id)
         try:
             frame = self._encoder.encode(AddRequest(request_id, list(prompt_token_ids), params,
-                                                    arrival_time or time.monotonic()))
+                                                    arrival_time or time.monotonic(),
+                                                    mm_inputs=mm_inputs))
         except (OverflowError, TypeError) as e:
             raise ValueError(f"invalid request parameters: {e}") from None
         track = _Track(request_id)
@@ -221,7 +219,7 @@ class DataParallelClient:
                 await self._send_request(track, target, frame)
                 while not finished:
                     item = await track.queue.get()
-                    if isinstance(item, _Failed):
+                    if isinstance(item, StreamFailed):
                         if item.group_lost and not streamed and rank is None and self._can_route(tried):
                             logger.warning("%s: group %d lost before any output; sending it to "
                                            "another group", request_id, target.group)
@@ -328,9 +326,7 @@ class DataParallelClient:
         for error in message.errors:
             track = self._tracks.get(error.request_id)
             if track is not None and track.rank is handle:
-                failure = (RequestFailedError(error.message, error.engine_fault) if error.failed
-                           else rejection_error(error))  # a failed step, or a rejection
-                track.queue.put_nowait(_Failed(failure, group_lost=False))
+                track.queue.put_nowait(StreamFailed(engine_error(error)))
 
     async def _on_group_lost(self, group: GroupHandle, incarnation: int, reason: str) -> None:
         if group.incarnation != incarnation or not group.healthy or self._closing:
@@ -350,7 +346,7 @@ class DataParallelClient:
         group.dead_message = message
         for track in list(self._tracks.values()):
             if track.rank is not None and track.rank.group == group.index:
-                track.queue.put_nowait(_Failed(EngineDeadError(message), group_lost=True))
+                track.queue.put_nowait(StreamFailed(EngineDeadError(message), group_lost=True))
         for h in group.ranks:
             for name in _COUNTERS:
                 setattr(self._stats_base, name,
