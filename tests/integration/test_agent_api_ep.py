@@ -5,7 +5,9 @@ Over HTTP: json_schema, regex and choice outputs give exactly the tokens of one 
 the same checkpoint and validate, also when many constrained requests run on both ranks at
 once (each rank masks its own rows, in line, while its peer steps with it); a required tool
 call is grammar-enforced and equals the plain engine under the same grammar; and cache_salt
-keeps tenants' prefixes apart on the ranks' prefix caches while outputs stay the same."""
+keeps tenants' prefixes apart on the ranks' prefix caches while outputs stay the same. And
+with an EP=2 group as the disaggregated decode stage (P1, `--decode-data-parallel-size 2`),
+concurrent constrained requests equal the plain engine too."""
 from __future__ import annotations
 
 import json
@@ -184,3 +186,40 @@ def test_prompt_logprobs_on_ep_are_a_400_naming_the_field(ep_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     echoed = completion(ep_server.url, prompt="Hello there", max_tokens=3, echo=True)
     assert echoed["choices"][0]["text"].startswith("Hello there")
+
+
+@pytest.fixture(scope="module")
+def pd_ep_server(checkpoint):
+    """P1 and an EP=2 decode group: the prefill worker samples the first token under the
+    grammar, the rank the decode router picked carries the matcher on."""
+    server = ServeProcess("--model", str(checkpoint), "--dtype", "float32", "--threads", "1",
+                          "--num-kv-blocks", "128", "--kv-store", "none",
+                          "--prefill-workers", "1", "--decode-workers", "1",
+                          "--decode-data-parallel-size", "2", "--enable-expert-parallel")
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def test_constrained_outputs_on_an_ep_decode_group_equal_the_plain_engine(pd_ep_server,
+                                                                          reference):
+    jobs = [(p, kind, spec) for p in PROMPTS
+            for kind, spec in (("json", PERSON), ("regex", REGEX), ("choice", CHOICE))]
+    want = [want_tokens(reference, [p], **{kind: spec})[0] for p, kind, spec in jobs]
+
+    def send(job):
+        prompt, kind, spec = job
+        return completion(pd_ep_server.url, prompt=prompt, max_tokens=80,
+                          structured_outputs={kind: spec})["choices"][0]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(send, jobs))
+    assert [c["token_ids"] for c in got] == want
+    for (_, kind, _), choice in zip(jobs, got):
+        assert choice["finish_reason"] == "stop", choice["text"]
+        if kind == "json":
+            jsonschema.validate(json.loads(choice["text"]), PERSON)
