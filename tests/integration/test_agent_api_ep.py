@@ -169,6 +169,8 @@ def test_cache_salt_isolates_tenants_on_the_ranks(ep_server, reference):
         assert got["choices"][0]["token_ids"] == want, salt
         return got["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+    # One request at a time on an idle group: each goes to the least loaded rank, ties to
+    # rank 0, so all six meet one rank's prefix cache (isolation is by salt, not by rank).
     assert send("tenant-a") == 0
     assert send("tenant-b") == 0  # another tenant's prefix: no hit
     assert send(None) == 0  # nor for an unsalted request
