@@ -202,6 +202,15 @@ def test_default_model_ngram_verification_rows_equal(bf16_llm, gemv_for_every_ro
     assert _generate(llm, prompts, True) == _generate(llm, prompts, False)
 
 
+@pytest.mark.slow
+def test_default_quantized_model_greedy_tokens_and_logprobs_equal():
+    """The model as shipped (Q4_1 weights): the per-op path runs the C SiLU and rotary too (its
+    MLPs and attentions hold only quantized weights), so both paths give the same bits."""
+    from deepinfer import LLM
+    llm = LLM(kv_cache_memory="128MiB", seed=0, enable_prefix_caching=False)
+    assert _generate(llm, PROMPTS, True) == _generate(llm, PROMPTS, False)
+
+
 def test_out_of_range_ids_positions_and_blocks_are_errors_not_wild_reads():
     shape = SHAPES[0]
     model = _fast_random_model(shape, seed=6)
