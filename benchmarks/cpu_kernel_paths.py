@@ -44,7 +44,8 @@ def other_kernels() -> dict:
 
     flags = next((line.split(":", 1)[1].split() for line in cpu_identity().splitlines()
                   if line.split(":")[0].strip() == "flags"), [])
-    generic = "generic C (no AVX-512 in this build)" if "avx512f" not in flags else "AVX-512"
+    generic = ("AVX-512" if "avx512f" in flags else "AVX2 + FMA" if {"avx2", "fma"} <= set(flags)
+               else "generic C (no AVX-512 or AVX2 in this build)")
     decode = load_decode_kernel()
     stack = load_decode_stack_library()
     return {
@@ -52,7 +53,7 @@ def other_kernels() -> dict:
         "paged_decode_attention": "off" if decode is None
         else f"verified, {generic}, dtypes {sorted(str(d) for d in decode._fns)}",
         "prefill_attention": "verified" if load_prefill_kernel() else "off (needs AVX-512 BF16): SDPA",
-        "decode_stack": "verified" if stack is not None else "off (needs AVX-512): per-op path",
+        "decode_stack": "verified" if stack is not None else "off (needs AVX-512 or AVX2 + FMA): per-op path",
         "onednn_bf16_packing": _onednn_packs(),
     }
 

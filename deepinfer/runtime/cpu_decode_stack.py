@@ -171,7 +171,7 @@ def stack_unsupported(lib: ctypes.CDLL, model: nn.Module) -> str | None:
             return "norms with different eps"
     attn0 = layers[0].self_attn
     if not lib.decode_stack_supported(attn0.num_heads // attn0.num_kv_heads, attn0.head_dim):
-        return "head shape unsupported by this build (needs AVX-512, head_dim % 16 == 0)"
+        return "head shape unsupported by this build (needs AVX-512 with head_dim % 16 == 0, or AVX2 + FMA with head_dim % 8 == 0)"
     return None
 
 

@@ -123,10 +123,13 @@ def silu_and_mul_mismatch(kernels: ElementwiseKernels) -> str | None:
     return None
 
 
-def _module_dtype(module: nn.Module) -> torch.dtype | None:
+def _module_dtype(module: nn.Module, quantized_only: torch.dtype | None = None) -> torch.dtype | None:
     """The dtype of the first parameter or buffer: after cpu_linear_packing an MLP's weights
     are packed buffers (looking at parameters alone missed every packed MLP). Quantized
-    weights' codes and scales say nothing about the activations and are skipped."""
+    weights' codes and scales say nothing about the activations and are skipped; a module
+    holding nothing else (a GGUF model's MLP, its bias-free attention) runs in the model's
+    activation dtype, `quantized_only`. Without kernels those kept torch's SiLU and rotary
+    while the fused decode stack runs the C ones: the two paths rounded apart."""
     from deepinfer.quant.quantized_model import quantized_modules
 
     skip = {id(t) for m in quantized_modules(module) for t in m.buffers()}
@@ -135,7 +138,9 @@ def _module_dtype(module: nn.Module) -> torch.dtype | None:
              if isinstance(getattr(m, "plain_weight", None), torch.Tensor))
     tensor = next((t for t in itertools.chain(module.parameters(), module.buffers(), plain)
                    if id(t) not in skip), None)
-    return None if tensor is None else tensor.dtype
+    if tensor is None:
+        return quantized_only if quantized_modules(module) else None
+    return tensor.dtype
 
 
 def install_elementwise_kernels(model: nn.Module) -> int:
@@ -151,7 +156,7 @@ def install_elementwise_kernels(model: nn.Module) -> int:
     # The whole-stack decode kernel of a dense Llama model (not counted: not a module kernel).
     install_decode_stack(model)
     targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SwiGLUMLP, LlamaAttention))
-               and _module_dtype(m) == torch.bfloat16]
+               and _module_dtype(m, getattr(model, "dtype", None)) == torch.bfloat16]
     if not targets:
         return 0
     lib = load_kernel_library("fused_elementwise")

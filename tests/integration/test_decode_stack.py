@@ -29,20 +29,22 @@ SHAPES = [(64, 4, 4, 16, 96, False), (192, 6, 2, 64, 520, True), (128, 4, 1, 64,
           (256, 4, 2, 128, 300, False)]
 
 
-def _host_has_avx512() -> bool:
-    return "avx512f" in open("/proc/cpuinfo").read()
+def _host_has_vector_isa() -> bool:
+    """AVX-512, or AVX2 with FMA: the instruction sets the stack's attention rows are built for."""
+    flags = open("/proc/cpuinfo").read().split()
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 @pytest.fixture(autouse=True)
 def stack_builds_on_this_host(request):
-    """The stack is AVX-512 code: on a host without it the engine stays on the per-op path
-    (checked by the switch-off tests, which run everywhere); on a host with it the build must
-    load and pass its self-test."""
+    """The stack is AVX-512 or AVX2 + FMA code: on a host with neither the engine stays on the
+    per-op path (checked by the switch-off tests, which run everywhere); on a host with one the
+    build must load and pass its self-test."""
     if "no_avx512_needed" in request.keywords:
         return
     if cpu_decode_stack.load_decode_stack_library() is None:
-        assert not _host_has_avx512(), "AVX-512 host: the decode stack must build and pass its self-test"
-        pytest.skip("no AVX-512 on this host: the fused decode stack is off, the per-op path runs")
+        assert not _host_has_vector_isa(), "AVX-512 / AVX2 host: the decode stack must build and pass its self-test"
+        pytest.skip("no AVX-512 or AVX2 + FMA on this host: the fused decode stack is off")
 
 
 @pytest.fixture
@@ -198,6 +200,15 @@ def test_default_model_ngram_verification_rows_equal(bf16_llm, gemv_for_every_ro
               speculative_config=spec)
     prompts = PROMPTS[3:5]  # repetitive: the drafts are often accepted (5-row verifications)
     assert _generate(llm, prompts, True) == _generate(llm, prompts, False)
+
+
+@pytest.mark.slow
+def test_default_quantized_model_greedy_tokens_and_logprobs_equal():
+    """The model as shipped (Q4_1 weights): the per-op path runs the C SiLU and rotary too (its
+    MLPs and attentions hold only quantized weights), so both paths give the same bits."""
+    from deepinfer import LLM
+    llm = LLM(kv_cache_memory="128MiB", seed=0, enable_prefix_caching=False)
+    assert _generate(llm, PROMPTS, True) == _generate(llm, PROMPTS, False)
 
 
 def test_out_of_range_ids_positions_and_blocks_are_errors_not_wild_reads():

@@ -1,7 +1,7 @@
 """A speculative verification's rows (one sequence, consecutive positions, one block table)
 computed together must give, row by row, the bits of the same positions decoded one at a
-time: the C decode attention reads their K/V once for all of them (decode_rows_bf16_avx512)
-and the GEMV takes 5..8 rows with its own kernel (gemv_wide_bf16.h). Otherwise greedy
+time: the C decode attention reads their K/V once for all of them (decode_rows_bf16_avx512,
+_avx2) and the GEMV takes 5..8 rows with its own kernel (gemv_wide_bf16.h). Otherwise greedy
 speculation would change bf16 outputs."""
 from __future__ import annotations
 
@@ -71,9 +71,11 @@ def test_decode_stack_verification_rows_equal_the_positions_decoded_one_by_one(r
     from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     lib = load_decode_stack_library()
-    if lib is None:  # AVX-512 code: on other CPUs the engine stays on the per-op path
-        assert "avx512f" not in open("/proc/cpuinfo").read(), "AVX-512 host: the stack must build"
-        pytest.skip("no AVX-512 on this host: the fused decode stack is off")
+    if lib is None:  # AVX-512 / AVX2 code: on other CPUs the engine stays on the per-op path
+        flags = open("/proc/cpuinfo").read().split()
+        assert "avx512f" not in flags and not ("avx2" in flags and "fma" in flags), \
+            "AVX-512 / AVX2 host: the stack must build"
+        pytest.skip("no AVX-512 or AVX2 + FMA on this host: the fused decode stack is off")
     gen = torch.Generator().manual_seed(rows)
     # hidden 160 (one 128-wide block and a 32-wide tail), GQA 3, intermediate 300
     model = _random_model(160, 6, 2, 64, 300, True, gen)

@@ -6,11 +6,14 @@
 #define DEEPINFER_BF16_CPU_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #ifdef __AVX512F__
 #define HAVE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_FMA 1
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_DPBF16 1

@@ -1,4 +1,5 @@
-/* One decode-attention task in bf16 with AVX-512 (D a multiple of 16): the G query heads that
+/* One decode-attention task in bf16 with AVX-512 (D a multiple of 16) or AVX2 + FMA (D a
+ * multiple of 8), DECODE_ROWS_BF16 whichever this build has: the G query heads that
  * share KV head h attend over one sequence's `len` tokens, read through its block table. The
  * body of paged_decode_attention.c's bf16 kernel and the attention step of decode_stack.c, one
  * copy so both give the same bits.
@@ -101,6 +102,91 @@ SHARED_ROW_FN void decode_rows_bf16_avx512(const uint16_t *q, int64_t q_stride, 
         }
     }
 }
+#define DECODE_ROWS_BF16 decode_rows_bf16_avx512
+#define DECODE_ROWS_WIDTH 16
+#elif defined(HAVE_AVX2_FMA)
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float attn_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* decode_rows_bf16_avx512 on AVX2 + FMA machines (Zen 1-3, Haswell on): the same contract,
+ * walk and softmax with 8-wide vectors, D a multiple of 8. Only the lane count differs, so a
+ * score is summed in another order than there (AVX-512 and AVX2 hosts may differ in the last
+ * bit; each host's per-op kernel and stack agree). */
+SHARED_ROW_FN void decode_rows_bf16_avx2(const uint16_t *q, int64_t q_stride, int nrows,
+                                         const uint16_t *kc, const uint16_t *vc,
+                                         const int64_t *tab, const int64_t *lens, uint16_t *out,
+                                         int64_t out_stride, int KV, int G, int D, int BS, int h,
+                                         float scale, float *scores, int64_t score_stride) {
+    const int NV = D / 8, NQ = nrows * G;
+    const int64_t row = (int64_t)KV * D;
+    __m256 qv[DECODE_MAX_G][DECODE_MAX_D / 8], acc[DECODE_MAX_G][DECODE_MAX_D / 8];
+    __m256 kv[DECODE_MAX_D / 8];
+    float mx[DECODE_MAX_G], sum[DECODE_MAX_G];
+    int64_t qlen[DECODE_MAX_G], len = 0;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int a = 0; a < NQ; a++) {
+        const uint16_t *qp = q + (int64_t)(a / G) * q_stride + (int64_t)(a % G) * D;
+        for (int i = 0; i < NV; i++) {
+            qv[a][i] = _mm256_mul_ps(widen8(qp + 8 * i), sc);
+            acc[a][i] = _mm256_setzero_ps();
+        }
+        mx[a] = -FLT_MAX; sum[a] = 0.f; /* finite: built with -ffast-math */
+        qlen[a] = lens[a / G];
+        if (qlen[a] > len) len = qlen[a];
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const uint16_t *kp = kc + (tab[t0 / BS] * BS * KV + h) * D;
+        const int n = len - t0 < BS ? (int)(len - t0) : BS;
+        for (int j = 0; j < n; j++, kp += row) {
+            for (int i = 0; i < NV; i++) kv[i] = widen8(kp + 8 * i);
+            for (int a = 0; a < NQ; a++) {
+                if (t0 + j >= qlen[a]) continue;
+                __m256 s = _mm256_mul_ps(qv[a][0], kv[0]);
+                for (int i = 1; i < NV; i++) s = _mm256_fmadd_ps(qv[a][i], kv[i], s);
+                const float f = attn_hsum8(s);
+                scores[a * score_stride + t0 + j] = f;
+                if (f > mx[a]) mx[a] = f;
+            }
+        }
+    }
+    for (int a = 0; a < NQ; a++)
+        for (int64_t t = 0; t < qlen[a]; t++) {
+            const float e = expf(scores[a * score_stride + t] - mx[a]);
+            scores[a * score_stride + t] = e;
+            sum[a] += e;
+        }
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const uint16_t *vp = vc + (tab[t0 / BS] * BS * KV + h) * D;
+        const int n = len - t0 < BS ? (int)(len - t0) : BS;
+        for (int j = 0; j < n; j++, vp += row) {
+            for (int i = 0; i < NV; i++) kv[i] = widen8(vp + 8 * i);
+            for (int a = 0; a < NQ; a++) {
+                if (t0 + j >= qlen[a]) continue;
+                const __m256 p = _mm256_set1_ps(scores[a * score_stride + t0 + j]);
+                for (int i = 0; i < NV; i++) acc[a][i] = _mm256_fmadd_ps(p, kv[i], acc[a][i]);
+            }
+        }
+    }
+    for (int a = 0; a < NQ; a++) {
+        uint16_t *op = out + (int64_t)(a / G) * out_stride + (int64_t)(a % G) * D;
+        const __m256 inv = _mm256_set1_ps(1.f / sum[a]);
+        float tmp[8];
+        for (int i = 0; i < NV; i++) {
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[a][i], inv));
+            for (int e = 0; e < 8; e++) op[8 * i + e] = f32_to_bf16(tmp[e]);
+        }
+    }
+}
+#define DECODE_ROWS_BF16 decode_rows_bf16_avx2
+#define DECODE_ROWS_WIDTH 8
 #endif
 
 /* Groups of consecutive rows that share one sequence's K/V (the same block-table row), at most

@@ -36,8 +36,9 @@ enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_
 
 /* 1 when this build can run a model with these head shapes (else the caller keeps torch). */
 int decode_stack_supported(int group, int head_dim) {
-#ifdef HAVE_AVX512
-    return group >= 1 && group <= DECODE_MAX_G && head_dim % 16 == 0 && head_dim <= DECODE_MAX_D;
+#ifdef DECODE_ROWS_BF16
+    return group >= 1 && group <= DECODE_MAX_G && head_dim % DECODE_ROWS_WIDTH == 0
+           && head_dim <= DECODE_MAX_D;
 #else
     (void)group; (void)head_dim;
     return 0;
@@ -60,7 +61,7 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int64_t *weight_descs,
                       const int64_t *ids, const int64_t *pos, const int64_t *slots,
                       const int64_t *tables, const int64_t *lens, int R, int W, uint16_t *kv,
                       int64_t num_blocks, int BS, uint16_t *out, int num_threads, int isa) {
-#ifndef HAVE_AVX512
+#ifndef DECODE_ROWS_BF16
     return 1;
 #else
     const int L = dims[D_LAYERS], H = dims[D_HIDDEN], NH = dims[D_HEADS];
@@ -156,10 +157,10 @@ int decode_stack_bf16(const int64_t *layer_ptrs, const int64_t *weight_descs,
             if (scores)
                 for (int task = tid; task < groups * KV; task += nth) {
                     const int r = gfirst[task / KV], h = task % KV;
-                    decode_rows_bf16_avx512(qkv + (size_t)r * NQKV + (size_t)h * G * D, NQKV,
-                                            gcount[task / KV], kc, vc, tables + (int64_t)r * W,
-                                            lens + r, att + (size_t)r * Q + (size_t)h * G * D, Q,
-                                            KV, G, D, BS, h, scale, scores, max_len);
+                    DECODE_ROWS_BF16(qkv + (size_t)r * NQKV + (size_t)h * G * D, NQKV,
+                                     gcount[task / KV], kc, vc, tables + (int64_t)r * W,
+                                     lens + r, att + (size_t)r * Q + (size_t)h * G * D, Q,
+                                     KV, G, D, BS, h, scale, scores, max_len);
                 }
             _Pragma("omp barrier")
             {

@@ -68,6 +68,77 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                     \
             dots[r * M + m] = sum_chains(acc[0][r][m], acc[1][r][m], acc[2][r][m], acc[3][r][m]); \
 }
+#elif defined(HAVE_AVX2_FMA)
+/* AVX2 + FMA, no bf16 dot instruction. A 256-bit load holds 16 bf16 values; as 32-bit lanes,
+ * lane << 16 is the even value as a float32 and lane & 0xFFFF0000 the odd one (both exact, one
+ * op each for 8 values; the pairing of weight and input values is the same on both sides). */
+static inline __m256 bf16_even8(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 bf16_odd8(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+/* An empty asm the compiler cannot see through: under -ffast-math it would otherwise be free
+ * to reassociate the adds below (AVX2 has no rounding-mode add to pin them as sum_chains does),
+ * and might do so differently in the functions for different M. */
+static inline __m256 pinned8(__m256 v) { __asm__("" : "+x"(v)); return v; }
+static inline __m128 pinned4(__m128 v) { __asm__("" : "+x"(v)); return v; }
+static inline float sum_chains8(__m256 c0, __m256 c1, __m256 c2, __m256 c3) {
+    const __m256 v = pinned8(_mm256_add_ps(pinned8(_mm256_add_ps(c0, c1)),
+                                           pinned8(_mm256_add_ps(c2, c3))));
+    __m128 s = pinned4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+    s = pinned4(_mm_add_ps(s, _mm_movehl_ps(s, s)));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+/* One 32-value chunk of the weight row into MB input rows' four chains each: even and odd
+ * values of the chunk's two 16-value halves. */
+#define ROW_DOTS_CHUNK8(MB, wp, xp, xstride, acc)                                               \
+    do {                                                                                        \
+        const __m256i w0_ = _mm256_loadu_si256((const __m256i *)(wp));                          \
+        const __m256i w1_ = _mm256_loadu_si256((const __m256i *)((wp) + 16));                   \
+        const __m256 we0_ = bf16_even8(w0_), wo0_ = bf16_odd8(w0_);                             \
+        const __m256 we1_ = bf16_even8(w1_), wo1_ = bf16_odd8(w1_);                             \
+        _Pragma("GCC unroll 2") for (int m_ = 0; m_ < MB; m_++) {                               \
+            const uint16_t *xm_ = (xp) + (int64_t)m_ * (xstride);                               \
+            const __m256i x0_ = _mm256_loadu_si256((const __m256i *)xm_);                       \
+            const __m256i x1_ = _mm256_loadu_si256((const __m256i *)(xm_ + 16));                \
+            acc[m_][0] = _mm256_fmadd_ps(we0_, bf16_even8(x0_), acc[m_][0]);                    \
+            acc[m_][1] = _mm256_fmadd_ps(wo0_, bf16_odd8(x0_), acc[m_][1]);                     \
+            acc[m_][2] = _mm256_fmadd_ps(we1_, bf16_even8(x1_), acc[m_][2]);                    \
+            acc[m_][3] = _mm256_fmadd_ps(wo1_, bf16_odd8(x1_), acc[m_][3]);                     \
+        }                                                                                       \
+    } while (0)
+/* MB = 1 or 2 input rows against one weight row (4 x MB accumulators and the 4 widened weight
+ * vectors fit the 16 registers); the tail (K not a multiple of 32) as one zero-padded chunk.
+ * Each input row's arithmetic is the same in both, so a row's result does not depend on M. */
+#define DEFINE_DOTS_GROUP8(NAME, MB)                                                            \
+static inline __attribute__((always_inline)) void NAME(const uint16_t *w, const uint16_t *x,    \
+                                                       int K, float *dots) {                    \
+    const int full = K / 32 * 32;                                                               \
+    __m256 acc[MB][4];                                                                          \
+    for (int m = 0; m < MB; m++)                                                                \
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();                            \
+    for (int k = 0; k < full; k += 32) ROW_DOTS_CHUNK8(MB, w + k, x + k, K, acc);               \
+    if (full < K) {                                                                             \
+        uint16_t wt[32] = {0}, xt[MB][32] = {{0}};                                              \
+        memcpy(wt, w + full, sizeof(uint16_t) * (size_t)(K - full));                            \
+        for (int m = 0; m < MB; m++)                                                            \
+            memcpy(xt[m], x + (int64_t)m * K + full, sizeof(uint16_t) * (size_t)(K - full));    \
+        ROW_DOTS_CHUNK8(MB, wt, &xt[0][0], 32, acc);                                            \
+    }                                                                                           \
+    for (int m = 0; m < MB; m++) dots[m] = sum_chains8(acc[m][0], acc[m][1], acc[m][2], acc[m][3]); \
+}
+DEFINE_DOTS_GROUP8(dots_group8_1, 1)
+DEFINE_DOTS_GROUP8(dots_group8_2, 2)
+/* M input rows two at a time; the weight row is read again for each pair, from L1 while a row
+ * (2 K bytes) fits there. */
+#define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
+static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                    \
+    for (int r = 0; r < R; r++) {                                                               \
+        const uint16_t *wr = w + (int64_t)r * K;                                                \
+        int m = 0;                                                                              \
+        for (; m + 2 <= M; m += 2) dots_group8_2(wr, x + (int64_t)m * K, K, dots + r * M + m);  \
+        if (m < M) dots_group8_1(wr, x + (int64_t)m * K, K, dots + r * M + m);                  \
+    }                                                                                           \
+}
 #else
 #define DEFINE_ROW_DOTS(NAME, R, M)                                                             \
 static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {                    \

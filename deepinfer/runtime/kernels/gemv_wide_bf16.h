@@ -76,7 +76,7 @@ static void NAME(const uint16_t *w, const uint16_t *x, int K, float *dots) {    
         dots[m] = sum_chains(c[0][m], c[1][m], c[2][m], c[3][m]);                               \
 }
 #else
-/* The plain float loop is one order for every M already. */
+/* The AVX2 dots and the plain float loop are one order for every M already. */
 #define DEFINE_WIDE_ROW_DOTS(NAME, M) DEFINE_ROW_DOTS(NAME, 1, M)
 #endif
 

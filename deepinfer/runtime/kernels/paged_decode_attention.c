@@ -90,8 +90,8 @@ static inline float f32_store(float f) { return f; }
 DEFINE_KERNEL(paged_decode_attention_bf16_generic, uint16_t, bf16_row, bf16_store)
 DEFINE_KERNEL(paged_decode_attention_f32, float, f32_row, f32_store)
 
-#ifdef HAVE_AVX512
-static int decode_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
+#ifdef DECODE_ROWS_BF16
+static int decode_bf16_vector(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                               const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
                               int KV, int G, int D, int BS, int W, float scale, int num_threads) {
     int64_t max_len = 1;
@@ -114,7 +114,7 @@ static int decode_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint1
             if (!scores) continue;
             const int b = first[task / KV], h = task % KV;
             const int64_t at = ((int64_t)b * KV * G + (int64_t)h * G) * D; /* first query row */
-            decode_rows_bf16_avx512(q + at, (int64_t)KV * G * D, count[task / KV], kc, vc,
+            DECODE_ROWS_BF16(q + at, (int64_t)KV * G * D, count[task / KV], kc, vc,
                                     tables + (int64_t)b * W, lens + b, out + at,
                                     (int64_t)KV * G * D, KV, G, D, BS, h,
                                     scale, scores, max_len);
@@ -129,9 +129,9 @@ static int decode_bf16_avx512(const uint16_t *q, const uint16_t *kc, const uint1
 int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                                 const int64_t *tables, const int64_t *lens, uint16_t *out, int B,
                                 int KV, int G, int D, int BS, int W, float scale, int num_threads) {
-#ifdef HAVE_AVX512
-    if (D % 16 == 0 && G <= MAX_G && D <= MAX_D)
-        return decode_bf16_avx512(q, kc, vc, tables, lens, out, B, KV, G, D, BS, W, scale,
+#ifdef DECODE_ROWS_BF16
+    if (D % DECODE_ROWS_WIDTH == 0 && G <= MAX_G && D <= MAX_D)
+        return decode_bf16_vector(q, kc, vc, tables, lens, out, B, KV, G, D, BS, W, scale,
                                   num_threads);
 #endif
     return paged_decode_attention_bf16_generic(q, kc, vc, tables, lens, out, B, KV, G, D, BS, W,
