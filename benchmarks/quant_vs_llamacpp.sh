@@ -5,7 +5,7 @@
 # Per file: DeepInfer through its vLLM-shaped LLM (../shared/peers/bench_offline.py: W1 = 64 x
 # 256-token prompts, 128 output tokens, greedy, EOS ignored; batch-1 decode of 256 tokens after
 # a 512-token prompt), llama-bench pp512 / tg128 and llama-server under the same W1
-# (run_server_one.sh). Run nothing else meanwhile.
+# (run_server_one.sh). Run nothing else meanwhile. FORMATS="q4_1" runs one file.
 set -eu
 W="${PEER_WORK:?set PEER_WORK to the directory of ../shared/peers/setup.sh}"
 OUT=${1:?usage: quant_vs_llamacpp.sh OUT_DIR}; mkdir -p "$OUT"
@@ -13,7 +13,8 @@ P=$(cd "$(dirname "$0")/.." && pwd); H=$(cd "$P/../shared/peers" 2>/dev/null && 
 export HF_HUB_OFFLINE=1 REPS=${REPS:-2}
 Q4=$W/models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 Q8=$W/models/gguf/SmolLM2-135M-Instruct-q8_0.gguf
-if [ ! -f "$Q8" ]; then
+FORMATS=${FORMATS:-q4_1 q8_0}
+if [ ! -f "$Q8" ] && [[ " $FORMATS " == *" q8_0 "* ]]; then
   "$W/venv-ref/bin/python" "$(ls -d "$W"/llamacpp/llama_cpp_python-*/vendor/llama.cpp)/convert_hf_to_gguf.py" \
     "$W/models/hf" --outtype q8_0 --outfile "$Q8" > /dev/null
 fi
@@ -30,7 +31,7 @@ lb() {
   python3 -c "import json;d=json.load(open('$OUT/llamabench_$2.json'));print('llama-bench[$2]', ' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}={r['avg_ts']:.1f}tok/s\" for r in d))"
 }
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-for f in q4_1 q8_0; do
+for f in $FORMATS; do
   file=$Q4; [ $f = q8_0 ] && file=$Q8
   di "$file" $f; lb "$file" $f; lc "$file" $f
 done
