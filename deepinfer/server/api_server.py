@@ -92,12 +92,18 @@ def _documented_body(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-# `stream: true` answers are server-sent events (data: <chunk JSON> lines, then data: [DONE]).
-_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# `stream: true` answers are server-sent events (data: <chunk JSON> lines, then data: [DONE]);
+# the schema is one event's, as an event-stream reader hands it over.
+_EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string",
+                            "description": "one chunk as JSON; the last event is [DONE]"},
+                   "event": {"type": "string"}}}}}
 
 
 def _error_responses() -> dict:
     doc = {400: "Invalid request", 401: "Missing or wrong API key",
+           404: "The model named in the request is not served here",
            413: "Request body over --max-request-body-bytes",
            429: "Too many waiting or concurrent requests (see Retry-After)",
            500: "The engine failed during the request",

@@ -134,8 +134,22 @@ class _SamplingFields(BaseModel):
 # --- /v1/completions ---------------------------------------------------------------------------
 
 
+def _non_empty_prompt(schema: dict) -> None:
+    """Every form of `prompt` in the schema at least one character / item long, at every level."""
+    def visit(node: dict) -> None:
+        if node.get("type") == "string":
+            node["minLength"] = 1
+        elif node.get("type") == "array":
+            node["minItems"] = 1
+            visit(node.get("items", {}))
+    for branch in schema.get("anyOf", []):
+        visit(branch)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Empty prompts are refused by the serving code (with its own message); the schema says so.
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=lambda schema: _non_empty_prompt(schema))
     max_tokens: int | None = Field(default=16, ge=0)  # 0: echo only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM
@@ -203,7 +217,11 @@ _MESSAGE_SCHEMA = {
                 "properties": {"type": {"type": "string", "const": "text"},
                                "text": {"type": "string"}}}},
             {"type": "null"}]},
-        "name": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+        "name": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "tool_call_id": {"type": "string"}},
+    # a tool result names the call it answers
+    "anyOf": [{"properties": {"role": {"enum": [r for r in CHAT_ROLES if r != "tool"]}}},
+              {"properties": {"role": {"const": "tool"}}, "required": ["tool_call_id"]}],
 }
 
 

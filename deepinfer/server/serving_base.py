@@ -182,9 +182,10 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise bad_request(f"The model `{model}` does not exist. Served models: "
-                              f"{', '.join(self.served_model_names)}", param="model",
-                              code="model_not_found")
+            # 404 as OpenAI and vLLM answer it: clients tell "no such model" from a bad body
+            raise APIError(404, f"The model `{model}` does not exist. Served models: "
+                                f"{', '.join(self.served_model_names)}", param="model",
+                           code="model_not_found")
 
     def admit(self, num_new_requests: int) -> Admission:
         """503 while the engine is down (restarting), 429 over the waiting limit; else the

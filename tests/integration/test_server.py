@@ -184,7 +184,7 @@ def test_openapi_describes_the_request_bodies(server):
         assert operation["requestBody"]["required"]
         assert operation["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{name}"}
-        assert set(operation["responses"]) == {"200", "400", "401", "413", "429", "500", "503"}
+        assert set(operation["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
     completion = schemas["CompletionRequest"]
     assert completion["required"] == ["prompt"]
     props = completion["properties"]
@@ -208,7 +208,7 @@ def test_openapi_describes_the_request_bodies(server):
 GOOD = {"prompt": "Hi", "max_tokens": 2}
 ERROR_CASES = [
     ("/v1/completions", b"{not json", 400, "invalid_json", None),
-    ("/v1/completions", {**GOOD, "model": "nope"}, 400, "model_not_found", "model"),
+    ("/v1/completions", {**GOOD, "model": "nope"}, 404, "model_not_found", "model"),
     ("/v1/completions", {**GOOD, "temperature": 5}, 400, "invalid_value", "temperature"),
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {**GOOD, "n": 0}, 400, "invalid_value", "n"),
