@@ -54,8 +54,10 @@ def build_grammar(spec: StructuredOutputsParams) -> BuiltGrammar:
     try:
         return BuiltGrammar("xgrammar", _xgrammar(spec))
     except (RuntimeError, ValueError, TypeError) as e:
-        if kind == "json" and llg.grammar_problem(llg.json_grammar(spec.json)) is None:
-            return BuiltGrammar("llguidance", llg.json_grammar(spec.json))
+        if kind == "json":
+            grammar = llg.json_grammar(spec.json)
+            if llg.grammar_problem(grammar) is None:
+                return BuiltGrammar("llguidance", grammar)
         raise InvalidParameter("structured_outputs",
                                f"cannot compile the {kind} constraint: {_short(e)}") from None
 
