@@ -183,7 +183,8 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             # 404 as OpenAI and vLLM answer it: clients tell "no such model" from a bad body
-            raise APIError(404, f"The model `{model}` does not exist. Served models: "
+            shown = model if len(model) <= 100 else model[:100] + "..."  # not echoed in full
+            raise APIError(404, f"The model `{shown}` does not exist. Served models: "
                                 f"{', '.join(self.served_model_names)}", param="model",
                            code="model_not_found")
 
