@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 
@@ -133,6 +134,9 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.num_failed_requests = 0
         self.debug_fault = DebugStepFault.from_env()
+        # The model, tokenizer and tables live as long as the engine: out of the collector's
+        # sight, a collection walks only what steps allocate (it took ~5% of a batch-1 decode).
+        gc.freeze()
         logger.info("engine ready: %s %s on %s, %d KV blocks of %d tokens", self.model_name,
                     config.dtype, self.device, num_blocks, config.block_size)
 

@@ -127,8 +127,10 @@ QINLINE2 const float *gact_xs(const qact *a, int m) { return qact_xsv(a, m); }
 /* Weight row n with input rows [m0, m0 + M); M is a compile-time constant per instance, so
  * the accumulators stay in registers. */
 QINLINE2 void gguf_rows_avx2_m(const qweight *w, int64_t n, const qact *a, int m0, float *dots,
-                               const int M, const int is_signed) {
-    const int fmt = w->format, bv = QF_BLOCK_VALUES[fmt], bs = QF_BLOCK_BYTES[fmt];
+                               const int M, const int is_signed, const int FMT) {
+    /* FMT: the format as a compile-time constant (0: read it at run time). A constant one folds
+     * the block unpacking to its own branch and keeps the parts in registers. */
+    const int fmt = FMT ? FMT : w->format, bv = QF_BLOCK_VALUES[fmt], bs = QF_BLOCK_BYTES[fmt];
     const uint8_t *b = qweight_row(w, n);
     const int len = gmins_len(w->cols);
     float mins[len];
@@ -150,10 +152,73 @@ QINLINE2 void gguf_rows_avx2_m(const qweight *w, int64_t n, const qact *a, int m
         dots[m] = gdot_finish(acc[m], mins, gact_xs(a, m0 + m), len, !is_signed);
 }
 
+/* Four weight rows n .. n + 3 of a 32-value format (FMT: q4_0, q4_1, q8_0) with M <= 2 input
+ * rows: each input block is loaded once for the four rows and their 4 x M FMA chains overlap
+ * (one row at a time waits on its chain's latency). Every (row, input) dot is the sequence of
+ * operations of gguf_rows_avx2_m, so the same bits. */
+QINLINE2 void gguf_rows4_avx2_m(const qweight *w, int64_t n, const qact *a, int m0,
+                                float dots[4][2], const int M, const int is_signed,
+                                const int FMT) {
+    const int bs = QF_BLOCK_BYTES[FMT], len = gmins_len(w->cols);
+    float mins[4][len];
+    const uint8_t *b[4];
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++) {
+        for (int v = w->cols / 16; v < len; v++) mins[r][v] = 0.f;
+        b[r] = qweight_row(w, n + r);
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    /* the next four rows into cache meanwhile, spread over this group's blocks: the four rows'
+     * interleaved reads are streams the hardware prefetcher does not keep ahead of */
+    const int64_t group_bytes = 4 * qweight_row_bytes(w);
+    const char *next = (const char *)b[0] + group_bytes;
+    const int nb = w->cols / 32, lines = (int)((group_bytes + 63) / 64);
+    const int per_block = (lines + nb - 1) / nb;
+    for (int i = 0; i < nb; i++) {
+        __m256i x[2];
+        __m256 dxv[2];
+        for (int l = i * per_block; l < (i + 1) * per_block && l < lines; l++)
+            __builtin_prefetch(next + 64 * (int64_t)l, 0, 3);
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
+            x[m] = gact_x(a, m0 + m, i);
+            dxv[m] = gact_dx(a, m0 + m, i);
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+            gblk part;
+            gguf_block_parts(FMT, b[r] + (int64_t)i * bs, &part, mins[r] + 2 * i);
+            const __m256i wabs = is_signed ? _mm256_sign_epi8(part.q, part.q) : part.q;
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
+                acc[r][m] = gblk_step(acc[r][m], &part, wabs, x[m], dxv[m], is_signed);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < M; m++)
+            dots[r][m] = gdot_finish(acc[r][m], mins[r], gact_xs(a, m0 + m), len, !is_signed);
+}
+
+/* 1 when gguf_rows4_avx2 takes this format. */
+static inline int gguf_rows4_format(int fmt) {
+    return fmt == QF_Q4_0 || fmt == QF_Q4_1 || fmt == QF_Q8_0;
+}
+
+static void gguf_rows4_avx2(const qweight *w, int64_t n, const qact *a, int m0,
+                            float dots[4][2], int M) {
+#define GGUF_ROWS4(FMT, SIGNED)                                                              \
+    if (M == 1) gguf_rows4_avx2_m(w, n, a, m0, dots, 1, SIGNED, FMT);                        \
+    else gguf_rows4_avx2_m(w, n, a, m0, dots, 2, SIGNED, FMT);                               \
+    return;
+    if (w->format == QF_Q4_1) { GGUF_ROWS4(QF_Q4_1, 0) }
+    if (w->format == QF_Q4_0) { GGUF_ROWS4(QF_Q4_0, 0) }
+    GGUF_ROWS4(QF_Q8_0, 1)
+#undef GGUF_ROWS4
+}
+
 #define GGUF_ROWS_CASE(MM)                                                                   \
     case MM:                                                                                 \
-        if (is_signed) gguf_rows_avx2_m(w, n, a, m0, dots, MM, 1);                           \
-        else gguf_rows_avx2_m(w, n, a, m0, dots, MM, 0);                                     \
+        if (w->format == QF_Q4_1) gguf_rows_avx2_m(w, n, a, m0, dots, MM, 0, QF_Q4_1);       \
+        else if (w->format == QF_Q4_0) gguf_rows_avx2_m(w, n, a, m0, dots, MM, 0, QF_Q4_0);  \
+        else if (is_signed) gguf_rows_avx2_m(w, n, a, m0, dots, MM, 1, QF_Q8_0);             \
+        else gguf_rows_avx2_m(w, n, a, m0, dots, MM, 0, 0);                                  \
         return;
 
 static void gguf_rows_avx2(const qweight *w, int64_t n, const qact *a, int m0, float *dots, int M) {

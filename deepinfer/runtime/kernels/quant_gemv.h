@@ -213,6 +213,23 @@ static void qgemv_rows(const qweight *w, const qinput *in, const qoutput *o, int
             return;
         }
     }
+    if (in->isa == ISA_AVX2 && M <= 2 && gguf_rows4_format(w->format)) {
+        /* decode rows: four weight rows at a time, the rest one at a time (the same bits) */
+        const qact *a = in->act[qact_family(in->isa, w->format)];
+        int n = n0;
+        for (; n + 4 <= n1; n += 4) {
+            float d[4][2];
+            gguf_rows4_avx2(w, n, a, 0, d, M);
+            for (int r = 0; r < 4; r++)
+                for (int m = 0; m < M; m++) qstore(o, m, n + r, d[r][m]);
+        }
+        for (; n < n1; n++) {
+            float dots[2];
+            gguf_rows_avx2(w, n, a, 0, dots, M);
+            for (int m = 0; m < M; m++) qstore(o, m, n, dots[m]);
+        }
+        return;
+    }
 #endif
     for (int nt = n0; nt < n1; nt += QTILE_N) {
         const int nend = nt + QTILE_N < n1 ? nt + QTILE_N : n1;
