@@ -1,7 +1,12 @@
 """Shared session fixtures. Each owner keeps a clearly named section."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Many engines are built and dropped per session: frozen startup objects would never be freed.
+os.environ.setdefault("DEEPINFER_GC_FREEZE", "0")
 
 # ---------------------------------------------------------------------------------------------
 # Engine reference tests (tests/integration/test_engine_reference.py, test_sampling.py,
