@@ -5,7 +5,7 @@
 # Per file: DeepInfer through its vLLM-shaped LLM (../shared/peers/bench_offline.py: W1 = 64 x
 # 256-token prompts, 128 output tokens, greedy, EOS ignored; batch-1 decode of 256 tokens after
 # a 512-token prompt), llama-bench pp512 / tg128 and llama-server under the same W1
-# (run_server_one.sh). Run nothing else meanwhile. FORMATS="q4_1" runs one file.
+# (run_server_one.sh), and llama-bench tg256 at depth 512. Run nothing else meanwhile. FORMATS="q4_1" runs one file.
 set -eu
 W="${PEER_WORK:?set PEER_WORK to the directory of ../shared/peers/setup.sh}"
 OUT=${1:?usage: quant_vs_llamacpp.sh OUT_DIR}; mkdir -p "$OUT"
@@ -27,8 +27,11 @@ lc() {
   tail -1 "$OUT/llamacpp_server_$2.log" | sed "s/^/llama-server[$2] /"
 }
 lb() {
+  # pp512 / tg128 from an empty cache, and tg256 after 512 tokens of context (the depth
+  # DeepInfer's batch-1 figure decodes at)
   "$W/llamacpp/bin/llama-bench" -m "$1" -t "$(nproc)" -p 512 -n 128 -r 3 -o json > "$OUT/llamabench_$2.json" 2>/dev/null
-  python3 -c "import json;d=json.load(open('$OUT/llamabench_$2.json'));print('llama-bench[$2]', ' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}={r['avg_ts']:.1f}tok/s\" for r in d))"
+  "$W/llamacpp/bin/llama-bench" -m "$1" -t "$(nproc)" -p 0 -n 256 -d 512 -r 3 -o json > "$OUT/llamabench_d512_$2.json" 2>/dev/null
+  python3 -c "import json;d=json.load(open('$OUT/llamabench_$2.json'))+json.load(open('$OUT/llamabench_d512_$2.json'));print('llama-bench[$2]', ' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}{'@d'+str(r['n_depth']) if r.get('n_depth') else ''}={r['avg_ts']:.1f}tok/s\" for r in d))"
 }
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for f in $FORMATS; do

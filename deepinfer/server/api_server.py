@@ -30,7 +30,8 @@ from deepinfer.server.protocol import (
     ErrorResponse, ModelCard, ModelList,
 )
 from deepinfer.server.prepare_pool import PreparePool
-from deepinfer.server.request_limits import RequestLimits, check_request
+from deepinfer.server.request_limits import (RequestLimits, check_request,
+                                              default_max_connections)
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.server.serving_tokenize import (
@@ -276,6 +277,14 @@ def build_app(client, config: ServerConfig) -> FastAPI:
     return app
 
 
+def uvicorn_options(config: ServerConfig) -> dict:
+    """uvicorn.Config's keywords: idle keep-alive connections close after 30 s, and past the
+    connection cap a new request gets uvicorn's 503."""
+    limit = config.limits.max_connections or default_max_connections()
+    return {"host": config.host, "port": config.port, "log_level": config.log_level.lower(),
+            "timeout_keep_alive": 30, "limit_concurrency": limit}
+
+
 async def run_server(config: ServerConfig, client, on_ready=None) -> None:
     """Start `client` (unstarted, from `clients.factory.make_client`), then serve HTTP until
     uvicorn exits (Ctrl-C / SIGTERM). `on_ready(host, port)` (optional, sync) is called once
@@ -285,9 +294,7 @@ async def run_server(config: ServerConfig, client, on_ready=None) -> None:
     try:
         await client.start()
         app = build_app(client, config)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level=config.log_level.lower(),
-                                               timeout_keep_alive=30))
+        server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(config)))
         serve_task = asyncio.create_task(server.serve())
         if on_ready is not None:
             while not server.started and not serve_task.done():

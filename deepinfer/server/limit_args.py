@@ -37,6 +37,9 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="answer 429 (with Retry-After) while this many /v1 and /admin "
                         "requests are in flight (default: no cap)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="answer 503 to new requests while this many HTTP connections are open "
+                        "(default: half the process's open-file limit, at most 16384)")
     for flag, (name, text) in _CAPS.items():
         g.add_argument(flag, type=int, default=getattr(_DEFAULTS, name),
                        help=f"{text} (default {getattr(_DEFAULTS, name)})")
@@ -45,6 +48,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 def limits_from_args(args: argparse.Namespace) -> RequestLimits:
     values = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in _CAPS.items()}
     values["max_concurrent_requests"] = args.max_concurrent_requests
+    values["max_connections"] = args.max_connections
     for name, value in values.items():
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

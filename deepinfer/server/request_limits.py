@@ -23,6 +23,7 @@ class RequestLimits:
 
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_concurrent_requests: int | None = None  # HTTP requests in flight; None: no cap
+    max_connections: int | None = None  # open HTTP connections; None: default_max_connections()
     max_sequences_per_request: int = 1024  # prompts x n
     max_messages: int = 1024
     max_content_parts: int = 1024  # over all messages
@@ -44,6 +45,17 @@ def num_prompts(prompt: Any) -> int:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return 1
     return len(prompt)
+
+
+def default_max_connections() -> int:
+    """Open connections uvicorn serves before it answers 503: half the process's file
+    descriptors (the rest stay for the engine's sockets, model files and logs), so a flood of
+    idle connections meets a 503 instead of taking every descriptor."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 16384
+    return max(32, min(16384, soft // 2))
 
 
 def check_request(request, limits: RequestLimits) -> None:
