@@ -54,7 +54,9 @@ def main() -> None:
     from deepinfer.structured.params import StructuredOutputsParams
 
     report = BenchReport()
-    llm = LLM(model=args.model, dtype="bfloat16", seed=0)
+    # no prefix caching: every case of a round sends the same prompts, and a cache would let
+    # all but the first skip their prefill
+    llm = LLM(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
     vocab = tokenizer.vocab_size
     eos = {tokenizer.eos_token_id}

@@ -19,7 +19,7 @@
 
 /* Head h's K (or V) rows of block b (tokens [b BS, ...)) into cache ahead of their use: the
  * rows sit KV x D apart and each block elsewhere, which the hardware prefetcher does not follow
- * (without it the loads of these rows were ~85% of the attention's time on Zen 1). Always
+ * (without it the loads of these rows were ~85% of the attention's time on an AVX2 EPYC). Always
  * inlined: as a function of its own GCC finds it "pure" (prefetches have no effect it models)
  * and deletes the call. */
 static inline __attribute__((always_inline)) void decode_prefetch_block(
