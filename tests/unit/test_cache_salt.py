@@ -67,3 +67,44 @@ def test_the_api_field_reaches_the_engine_params_and_bad_salts_are_refused():
 def make_serving():
     from deepinfer.server.serving_completion import OpenAIServingCompletion
     return make(OpenAIServingCompletion)
+
+
+def test_the_host_tier_and_the_fs_store_behind_it_key_by_the_salt(tmp_path):
+    """Tenant A's published blocks are in the host-memory tier and in the fs store behind it
+    under A's salted hashes only: an unsalted request and tenant B miss in both tiers, A hits
+    the host tier, and with the host tier gone (another process) A still hits the fs store."""
+    import torch
+
+    from deepinfer.cluster.prefix_store_tier import SharedPrefixTier, layout_for_cache
+    from deepinfer.kvstore import open_store
+    from deepinfer.kvstore.tensor_codec import kv_block_to_bytes
+    from deepinfer.kvstore.tiered_store import HOST_TIER, SHARED_TIER
+    from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    block = 2
+    cache = PagedKVCache(KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=block,
+                                     dtype=torch.float32), 8, torch.device("cpu"))
+    layout = layout_for_cache(cache)
+    url = f"{tmp_path}/store?host_cache_bytes=1000000"
+
+    def tier() -> SharedPrefixTier:
+        store = open_store(url, b"s" * 16, layout=layout.descriptor)
+        return SharedPrefixTier(store, cache, KVCacheManager(8, block), layout)
+
+    prompt = list(range(100, 109))  # 4 full blocks
+    writer = tier()
+    for i, block_hash in enumerate(writer.block_hashes(prompt, cache_salt="tenant-a")):
+        writer.store.put(block_hash, kv_block_to_bytes(torch.full((2, 2, 1, block, 1, 4),
+                                                                  float(i + 1)), layout))
+    for salt in (None, "tenant-b"):
+        assert {writer.store.fetch(h) for h in writer.block_hashes(prompt, cache_salt=salt)} \
+            == {(None, None)}, salt
+    tiers = {writer.store.fetch(h)[1] for h in writer.block_hashes(prompt, cache_salt="tenant-a")}
+    assert tiers == {HOST_TIER}
+    reader = tier()  # a fresh host tier: only the fs store has the blocks
+    assert {reader.store.fetch(h)[1] for h in reader.block_hashes(prompt, cache_salt="tenant-b")} \
+        == {None}
+    assert {reader.store.fetch(h)[1] for h in reader.block_hashes(prompt, cache_salt="tenant-a")} \
+        == {SHARED_TIER}
+    writer.close()
+    reader.close()
