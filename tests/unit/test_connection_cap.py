@@ -15,6 +15,7 @@ from deepinfer.cli.main import build_parser
 from deepinfer.server.api_server import ServerConfig, uvicorn_options
 from deepinfer.server.limit_args import limits_from_args
 from deepinfer.server.request_limits import RequestLimits, default_max_connections
+from tests.integration.serve_process import free_port
 
 
 async def ok_app(scope, receive, send):
@@ -31,9 +32,7 @@ def status_of_get(port: int) -> int:
 
 
 def test_requests_past_the_connection_cap_get_503_until_connections_close():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = ServerConfig(host="127.0.0.1", port=port, log_level="warning",
                           limits=RequestLimits(max_connections=3))
     server = uvicorn.Server(uvicorn.Config(ok_app, **uvicorn_options(config)))
