@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import os
 import time
 
 import torch
@@ -13,22 +11,22 @@ from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.request import Request, RequestStatus
 from deepinfer.core.scheduler import Scheduler, SchedulerConfig, SchedulerUpdate
 from deepinfer.core.scheduler_output import StepResult
-from deepinfer.core.step_budget import StepBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.engine_config import EngineConfig
+from deepinfer.engine.engine_startup import (attach_images, build_budget_policy, eos_token_ids,
+                                            fit_max_model_len, freeze_startup_objects,
+                                            load_engine_model, num_blocks_for_memory,
+                                            resolve_device)
 from deepinfer.engine.grammar_admission import GrammarAdmission
 from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from deepinfer.engine.request_checks import check_prompt, check_token_ids, resolve_max_tokens
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.engine.step_faults import DebugStepFault, RequestFailure, describe, pin_step_fault
-from deepinfer.quant.quantized_model import weight_bytes_by_format
-from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
-from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
+from deepinfer.engine.step_stats import StepStats
 from deepinfer.runtime.grammar_mask import GrammarMasker
-from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory
 from deepinfer.runtime.kv_cache_spec import allocate_kv_cache, kv_bytes_per_token, kv_cache_spec_for
 from deepinfer.runtime.model_runner import ModelRunner
-from deepinfer.runtime.model_source import ModelSource, load_model, resolve_model
+from deepinfer.runtime.model_source import ModelSource, resolve_model
 from deepinfer.sampling_params import SamplingParams, resolve_bad_words
 from deepinfer.structured.grammars import GrammarCache
 
@@ -38,26 +36,9 @@ logger = logging.getLogger(__name__)
 # a fault that survives failing every request in flight is not going away by itself.
 MAX_FAILED_STEPS_IN_ROW = 3
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 # An engine whose only requests wait for their grammar waits this long for a compile to end
 # per step instead of spinning.
 GRAMMAR_WAIT_S = 0.005
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (the model, tokenizer, tables: they live as long as the
-    engine) out of the cyclic collector's sight, so a collection walks only what steps allocate
-    (it took ~5% of a batch-1 decode step). Frozen objects in reference cycles are never
-    collected: a process that builds and drops many engines (the test suite) sets
-    DEEPINFER_GC_FREEZE=0."""
-    if os.environ.get("DEEPINFER_GC_FREEZE", "1") != "0":
-        gc.freeze()
 
 
 class LLMEngine:
@@ -81,12 +62,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.source.name
         self.tokenizer = tokenizer or self.source.load_tokenizer()
         if model is None:
-            model = load_model(self.source, self.dtype, self.device, config.quantization)
-            if self.device.type == "cpu":
-                logger.info("packed %d linear layers for oneDNN; fused kernels in %d modules",
-                            pack_linear_weights(model), install_elementwise_kernels(model))
-            logger.info("weights: %s", ", ".join(f"{fmt} {num / 2 ** 20:.1f} MiB" for fmt, num
-                                                  in sorted(weight_bytes_by_format(model).items())))
+            model = load_engine_model(self.source, config, self.dtype, self.device)
         self.model = model
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
@@ -97,8 +73,10 @@ class LLMEngine:
             from deepinfer.spec.speculator import draft_kv_cache_spec
             self.draft_kv_spec = draft_kv_cache_spec(spec_config, self.source, self.model_config,
                                                      config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(spec)
-        self.max_model_len = self._fit_max_model_len(num_blocks * config.block_size)
+        num_blocks = config.num_kv_blocks or num_blocks_for_memory(
+            config.kv_cache_memory, spec, self.draft_kv_spec)
+        self.max_model_len = fit_max_model_len(self.max_model_len, config.max_model_len,
+                                               num_blocks * config.block_size)
         self.cache = allocate_kv_cache(spec, num_blocks, self.device)
         logger.info("KV cache: %d bytes per token (%s), %d blocks hold %d tokens",
                     kv_bytes_per_token(spec), "MLA latent" if self.model_config.mla else "K/V heads",
@@ -106,27 +84,19 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device, config.seed)
         self.runner.sampler.logprobs_mode = config.logprobs_mode
         # Vision-language models: requests' images, the embedding cache and the runner's splice.
-        self.mm_images = None
-        self.embedding_cache = None
-        if hasattr(self.model, "encode_images"):
-            from deepinfer.multimodal.engine_images import EngineImages
-            self.mm_images = EngineImages(self.model, self.device)
-            self.embedding_cache = self.mm_images.cache
-            self.runner.mm_embeds = self.mm_images
+        self.mm_images = attach_images(self.model, self.device, self.runner)
+        self.embedding_cache = self.mm_images.cache if self.mm_images is not None else None
         kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_model_len, config.enable_chunked_prefill,
                             num_lookahead_tokens=spec_config.num_lookahead_tokens
                             if spec_config else 0),
-            kv_manager, self._build_budget_policy())
+            kv_manager, build_budget_policy(config, self.runner, self.model_config))
         self.speculator = None  # speculative decoding: drafts after every step
         if spec_config is not None:
             from deepinfer.spec.speculator import build_speculator
             self.speculator = build_speculator(spec_config, self)
-        eos = set(self.model_config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         # Structured outputs: grammars compiled against this vocabulary (on first use).
         self.grammar_cache = GrammarCache(self.tokenizer, self.model_config.vocab_size,
                                           list(self.eos_token_ids))
@@ -134,11 +104,7 @@ class LLMEngine:
         self.grammar_admission = GrammarAdmission(self.grammar_cache)
         self._states: dict[str, RequestState] = {}
         self._child_parent: dict[str, str] = {}
-        self._num_steps = 0
-        self._last_step_time = 0.0
-        self._last_predicted: float | None = None
-        self._prediction_abs_error_sum = 0.0
-        self._num_predicted_steps = 0
+        self.step_stats = StepStats()
         self._failures: list[RequestFailure] = []
         self._token_texts: dict[int, str] = {}
         self._num_failed_steps_in_row = 0
@@ -148,45 +114,6 @@ class LLMEngine:
         freeze_startup_objects()
         logger.info("engine ready: %s %s on %s, %d KV blocks of %d tokens", self.model_name,
                     config.dtype, self.device, num_blocks, config.block_size)
-
-    def _num_blocks_for_memory(self, spec) -> int:
-        """Blocks `--kv-cache-memory` holds: with a drafter that keeps KV, each block also
-        costs its draft block, so target + draft caches together stay within the flag."""
-        memory = parse_memory(self.config.kv_cache_memory)
-        draft = self.draft_kv_spec
-        bytes_per_block = spec.bytes_per_block + (draft.bytes_per_block if draft else 0)
-        num_blocks = blocks_that_fit(memory, bytes_per_block)
-        if draft is not None:
-            logger.info("KV cache memory %d B split: target %d B + draft %d B (%d blocks of "
-                        "%d + %d B)", memory, num_blocks * spec.bytes_per_block,
-                        num_blocks * draft.bytes_per_block, num_blocks, spec.bytes_per_block,
-                        draft.bytes_per_block)
-        return num_blocks
-
-    def _fit_max_model_len(self, kv_capacity_tokens: int) -> int:
-        """A sequence longer than the whole KV cache could never finish: it would end early with
-        finish_reason "length". An explicit --max-model-len beyond the cache is refused (as vLLM
-        does); the model's own limit is lowered to what the cache holds."""
-        if self.max_model_len <= kv_capacity_tokens:
-            return self.max_model_len
-        if self.config.max_model_len is not None:
-            raise ValueError(f"max_model_len {self.max_model_len} is larger than the KV cache "
-                             f"({kv_capacity_tokens} tokens): raise --kv-cache-memory or lower "
-                             "--max-model-len")
-        logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more",
-                       self.max_model_len, kv_capacity_tokens)
-        return kv_capacity_tokens
-
-    def _build_budget_policy(self) -> StepBudgetPolicy:
-        if self.config.scheduler == "token-budget":
-            return TokenBudgetPolicy(self.config.max_num_batched_tokens)
-        from deepinfer.runtime.budget_factory import build_step_budget_policy
-        return build_step_budget_policy(
-            self.config.scheduler, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            step_time_budget_ms=self.config.step_time_budget_ms,
-            cost_profile_path=self.config.cost_profile, runner=self.runner,
-            model_config=self.model_config, block_size=self.config.block_size,
-            dtype=self.config.dtype)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -323,15 +250,7 @@ class LLMEngine:
             return []
         self._num_failed_steps_in_row = 0
         update = self.scheduler.update(sched_out, result)
-        self._num_steps += 1
-        self._last_step_time = result.step_time_s
-        self._last_predicted = sched_out.predicted_step_time_s
-        if sched_out.predicted_step_time_s is not None and result.step_time_s > 0:
-            error = abs(sched_out.predicted_step_time_s - result.step_time_s) / result.step_time_s
-            self._prediction_abs_error_sum += error
-            self._num_predicted_steps += 1
-            logger.debug("step %d: predicted %.2f ms, measured %.2f ms", self._num_steps,
-                         sched_out.predicted_step_time_s * 1e3, result.step_time_s * 1e3)
+        self.step_stats.record(sched_out.predicted_step_time_s, result.step_time_s)
         outputs = self._process(update, result, time.monotonic())
         if self.speculator is not None:
             self.speculator.propose(sched_out)  # drafts for the next step
@@ -445,28 +364,13 @@ class LLMEngine:
 
     def _append_tokens(self, child_id: str, seq, token_ids: list[int], result: StepResult,
                        end: Request | None) -> None:
-        """Append one step's tokens (several when drafts were accepted) one at a time, as if
-        each came from its own step, so stop strings and text cut exactly where they would
-        without speculation; tokens after a stop string are dropped."""
         logprobs = result.verified_logprobs.get(child_id)
         if logprobs is None:
             lp = result.logprobs.get(child_id)
             logprobs = [] if lp is None else [lp]
-        for i, token_id in enumerate(token_ids):
-            last = i == len(token_ids) - 1
-            seq.output.token_ids.append(token_id)
-            if i < len(logprobs) and seq.output.logprobs is not None:
-                seq.output.logprobs.append(logprobs[i])
-                seq.output.cumulative_logprob += logprobs[i].logprob
-            # A sequence ending here flushes held-back text; a stop token's text is left out.
-            stop = seq.detokenizer.add_tokens(
-                [token_id], final=last and end is not None,
-                stop_token=last and end is not None and end.stop_token_id is not None)
-            seq.output.text = seq.detokenizer.text
-            if stop is not None and seq.output.finish_reason is None:
-                self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
-                seq.output.finish_reason, seq.output.stop_reason = "stop", stop
-                return
+        if seq.append_tokens(token_ids, logprobs, end is not None,
+                             end is not None and end.stop_token_id is not None) is not None:
+            self.scheduler.finish_requests([child_id], RequestStatus.FINISHED_STOPPED)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (memoised: prompt log-probs name many tokens, often the same)."""
@@ -488,10 +392,7 @@ class LLMEngine:
             kv_cache_usage=kv.usage, num_kv_blocks_used=kv.pool.num_used_blocks,
             num_kv_blocks_total=kv.num_blocks, prefix_cache_queries=kv.num_prefix_queries,
             prefix_cache_hits=kv.num_prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self._num_steps, step_time_s=self._last_step_time,
-            predicted_step_time_s=self._last_predicted,
-            prediction_abs_error_sum=self._prediction_abs_error_sum,
-            num_predicted_steps=self._num_predicted_steps,
+            **dataclasses.asdict(self.step_stats),
             spec_decode_num_drafts=self.scheduler.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.scheduler.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.scheduler.spec_stats.num_accepted_tokens,

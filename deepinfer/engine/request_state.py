@@ -16,6 +16,30 @@ class SequenceState:
     detokenizer: IncrementalDetokenizer
     output: CompletionOutput
 
+    def append_tokens(self, token_ids: list[int], logprobs: list[TokenLogprobs],
+                      ends: bool, ends_on_stop_token: bool) -> str | None:
+        """Append one step's tokens (several when drafts were accepted) one at a time, as if
+        each came from its own step, so stop strings and text cut exactly where they would
+        without speculation. Returns the stop string that ended the sequence (the tokens after
+        it are dropped: the caller finishes the sequence), else None. `ends`: the scheduler
+        finished the sequence with this step's last token (`ends_on_stop_token`: a stop token,
+        whose text is left out)."""
+        output = self.output
+        for i, token_id in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            output.token_ids.append(token_id)
+            if i < len(logprobs) and output.logprobs is not None:
+                output.logprobs.append(logprobs[i])
+                output.cumulative_logprob += logprobs[i].logprob
+            # A sequence ending here flushes held-back text.
+            stop = self.detokenizer.add_tokens([token_id], final=last and ends,
+                                               stop_token=last and ends_on_stop_token)
+            output.text = self.detokenizer.text
+            if stop is not None and output.finish_reason is None:
+                output.finish_reason, output.stop_reason = "stop", stop
+                return stop
+        return None
+
 
 @dataclass
 class RequestState:

@@ -2,7 +2,7 @@
 setting: it builds and drops many engines)."""
 import gc
 
-from deepinfer.engine.llm_engine import freeze_startup_objects
+from deepinfer.engine.engine_startup import freeze_startup_objects
 
 
 def test_startup_objects_are_frozen_unless_switched_off(monkeypatch):
