@@ -16,9 +16,8 @@ from benchmarks.sim_published import report  # noqa: E402
 
 # Misses the docs state (the model has no cause for them); strict: a fix shows up as XPASS.
 KNOWN_MISSES = {
-    "sglang-prefill-4k-perfect-eplb": "balanced routing, yet 18% above the default-EPLB run "
-                                      "that the model reproduces",
-    "vllm-gb200-decode": "17% below: Blackwell's decode attention beats the H800 calibration",
+    "vllm-gb200-decode": "17% below: no sourced mechanism yet (decode attention at the "
+                         "H800-calibrated efficiency is 64% of the step)",
 }
 
 
