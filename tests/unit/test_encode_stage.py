@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerReport)
 from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
@@ -134,7 +134,7 @@ class FakeProc:
 
 
 def test_lost_worker_is_restarted_and_routed_to_once_ready():
-    from deepinfer.cluster.encode_messages import EncodeWorkerReady
+    from deepinfer.wire.encode_messages import EncodeWorkerReady
 
     async def go(s: Stage):
         stage = s.stage

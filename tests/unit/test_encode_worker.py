@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.cluster.encode_messages import EncodeImages
+from deepinfer.wire.encode_messages import EncodeImages
 from deepinfer.cluster.encode_worker import EncodeWorker
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
 from deepinfer.multimodal.embedding_cache import EmbeddingCache

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from deepinfer.cluster.messages import PrefillRequest
+from deepinfer.wire.worker_messages import PrefillRequest
 from deepinfer.cluster.prefill_images import image_spans, missing_embeddings
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
