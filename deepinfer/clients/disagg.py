@@ -45,7 +45,7 @@ from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams

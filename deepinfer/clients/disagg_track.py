@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from deepinfer.clients.request_stream import engine_error
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.wire.engine_messages import RequestError
 

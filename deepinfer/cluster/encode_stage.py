@@ -35,7 +35,7 @@ from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_inpu
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
 from deepinfer.engine.exceptions import EngineDeadError

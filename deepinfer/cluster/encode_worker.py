@@ -37,7 +37,7 @@ from deepinfer.cluster.worker_proc import open_worker_process, worker_output_sen
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
-from deepinfer.multimodal.mm_inputs import PixelArray
+from deepinfer.wire.mm_inputs import PixelArray
 from deepinfer.wire.inbox import drain_messages
 from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, channel_name
 

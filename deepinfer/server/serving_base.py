@@ -319,7 +319,7 @@ class OpenAIServing:
                      ) -> AsyncIterator[EngineRequestState]:
         """Run one engine request; yields its state after every delta (same object, updated).
         Engine rejection -> 400 APIError; dead engine -> 500 APIError. `mm_inputs`: the
-        prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
+        prompt's images (deepinfer.wire.mm_inputs.MultiModalInputs)."""
         arrival = time.monotonic()
         state = EngineRequestState(request_id, prompt_token_ids,
                                    [ChoiceState(i) for i in range(params.n)])

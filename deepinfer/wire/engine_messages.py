@@ -16,7 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.core.scheduler_output import Logprob, TokenLogprobs
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
 from deepinfer.wire.tokenizer_files import TokenizerFiles
 

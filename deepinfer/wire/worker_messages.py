@@ -16,7 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.wire.engine_messages import RequestDelta, RequestError
 from deepinfer.wire.tokenizer_files import TokenizerFiles

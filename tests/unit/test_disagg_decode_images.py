@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deepinfer.wire.worker_messages import DecodeRequest, PrefillRequest
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from tests.unit.test_disagg_client_faults import PARAMS, first_token, run_front, until
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeIm
                                                EncodeWorkerReport)
 from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire.channel import ChannelReceiver, channel_name
 

@@ -11,7 +11,7 @@ from deepinfer.cluster.encode_worker import EncodeWorker
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
 from deepinfer.multimodal.embedding_cache import EmbeddingCache
 from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
-from deepinfer.multimodal.mm_inputs import PixelArray
+from deepinfer.wire.mm_inputs import PixelArray
 
 
 class FakeTower:

@@ -14,7 +14,7 @@ from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
 from deepinfer.multimodal.embedding_cache import EmbeddingCache
 from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.sampling_params import SamplingParams
 
 
