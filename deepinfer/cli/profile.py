@@ -190,9 +190,9 @@ def _update(args, engine, base: dict) -> int:
 
 def _serving_loop_work(engine):
     """What the serving engine loop does with a step's outputs besides `engine.step()`:
-    output deltas, a stats snapshot and the encoded message (`server.engine_proc`)."""
-    from deepinfer.server.engine_proc import OutputDeltaTracker, _stats_snapshot
-    from deepinfer.server.messages import EngineOutputs, make_encoder
+    output deltas, a stats snapshot and the encoded message (`cluster.engine_proc`)."""
+    from deepinfer.cluster.engine_proc import OutputDeltaTracker, _stats_snapshot
+    from deepinfer.wire.engine_messages import EngineOutputs, make_encoder
 
     tracker, encoder = OutputDeltaTracker(), make_encoder()
 

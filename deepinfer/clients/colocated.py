@@ -29,12 +29,12 @@ from deepinfer.clients.engine_supervisor import EngineRestartPolicy, EngineSuper
 from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
 from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_proc import run_engine_proc
-from deepinfer.server.messages import (
+from deepinfer.cluster.engine_proc import run_engine_proc
+from deepinfer.wire.engine_messages import (
     AbortRequest, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot,
     EngineMessage, RequestDelta, Shutdown,
 )
-from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire.inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name, tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 
@@ -218,7 +218,7 @@ class ColocatedClient:
 
     def register_metrics(self, registry) -> None:
         """`deepinfer:engine_restarts_total` on the server's Prometheus registry."""
-        from deepinfer.server.metrics import EngineRestartsCollector
+        from deepinfer.clients.restart_metrics import EngineRestartsCollector
         registry.register(EngineRestartsCollector(lambda: self.num_restarts, self.model_name))
 
     # --- requests ----------------------------------------------------------------------------

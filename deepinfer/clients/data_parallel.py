@@ -27,11 +27,11 @@ from deepinfer.clients.engine_supervisor import EngineRestartPolicy
 from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
 from deepinfer.engine.exceptions import EngineDeadError, exit_message
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.ep.messages import EPLBStats, ForceRebalance, WakeUp
+from deepinfer.wire.ep_messages import EPLBStats, ForceRebalance, WakeUp
 from deepinfer.ep.ep_metrics import record_rebalance
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
+from deepinfer.wire.engine_messages import (AbortRequest, AddRequest, EngineDead, EngineOutputs,
                                        EngineStatsSnapshot, RequestDelta, Shutdown, make_encoder)
 from deepinfer.wire import tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
@@ -190,7 +190,7 @@ class DataParallelClient:
 
     def register_metrics(self, registry) -> None:
         from deepinfer.ep.ep_metrics import DataParallelCollector
-        from deepinfer.server.metrics import EngineRestartsCollector
+        from deepinfer.clients.restart_metrics import EngineRestartsCollector
         registry.register(EngineRestartsCollector(lambda: self.num_restarts, self.model_name))
         registry.register(DataParallelCollector(self, self.model_name))
 

@@ -33,7 +33,7 @@ from deepinfer.clients.request_stream import StreamFailed, check_new_stream
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.cluster.cluster_metrics import spec_decode_totals
 from deepinfer.cluster.launcher import LocalLauncher, WorkerLauncher
-from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, DecodeRequest,
+from deepinfer.wire.worker_messages import (AbortRequests, DebugHangLoop, DecodeRequest,
                                         PrefillDone, PrefillRequest, ShutdownWorker,
                                         WorkerLoadReport, WorkerMessage, WorkerReady,
                                         WorkerReport)
@@ -45,11 +45,11 @@ from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import WorkerSupervisor
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingRequest,
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
+from deepinfer.wire.engine_messages import EngineStatsSnapshot, RequestDelta
 from deepinfer.wire import ChannelReceiver, channel_name, tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from deepinfer.cluster.messages import AbortRequests, WorkerCounters, WorkerHeartbeat, WorkerReady
+from deepinfer.wire.worker_messages import AbortRequests, WorkerCounters, WorkerHeartbeat, WorkerReady
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_supervisor import WorkerState
 from deepinfer.engine.exceptions import EngineDeadError

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from deepinfer.clients.disagg_track import _Track, _worker_error
-from deepinfer.cluster.messages import (AbortRequests, WorkerFailed, WorkerHeartbeat,
+from deepinfer.wire.worker_messages import (AbortRequests, WorkerFailed, WorkerHeartbeat,
                                         WorkerReady, WorkerReport)
-from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire.inbox import receive_message
 
 
 class WorkerInbox:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from deepinfer.clients.request_stream import engine_error
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import RequestError
+from deepinfer.wire.engine_messages import RequestError
 
 
 def _worker_error(error: RequestError, num_tokens_streamed: int) -> Exception:

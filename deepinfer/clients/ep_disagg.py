@@ -25,14 +25,14 @@ import time
 from deepinfer.clients.disagg import DisaggClient
 from deepinfer.clients.disagg_health import WorkerHealth
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.messages import PrefillDone, WorkerMessage
+from deepinfer.wire.worker_messages import PrefillDone, WorkerMessage
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_supervisor import WorkerState
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.ep.decode_rank import EPRankSpec
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.ep_metrics import DecodeGroupEPLBCollector, GroupEPLB, record_rebalance
-from deepinfer.ep.messages import WorkerEPLBStats
+from deepinfer.wire.ep_messages import WorkerEPLBStats
 from deepinfer.ep.process_group import free_port
 
 logger = logging.getLogger(__name__)

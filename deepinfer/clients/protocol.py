@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from deepinfer.multimodal.mm_inputs import MultiModalInputs
+    from deepinfer.wire.mm_inputs import MultiModalInputs
     from deepinfer.sampling_params import SamplingParams
-    from deepinfer.server.messages import EngineStatsSnapshot, RequestDelta
+    from deepinfer.wire.engine_messages import EngineStatsSnapshot, RequestDelta
 
 
 @runtime_checkable

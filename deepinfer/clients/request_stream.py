@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.engine.exceptions import RequestFailedError
-from deepinfer.server.messages import RequestError, rejection_error
+from deepinfer.wire.engine_messages import RequestError, rejection_error
 
 
 @dataclass(frozen=True)

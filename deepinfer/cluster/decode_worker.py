@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.cluster.kv_transport import KVTransport
-from deepinfer.cluster.messages import AbortRequests, DecodeRequest
+from deepinfer.wire.worker_messages import AbortRequests, DecodeRequest
 from deepinfer.cluster.prefill_images import attach_embedding_store
 from deepinfer.cluster.worker_loop import WorkerLoop
 

@@ -24,22 +24,22 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerMessage, EncodeWorkerReady,
                                                EncodeWorkerReport)
 from deepinfer.multimodal.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
-from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
+from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, WorkerFailed
 from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.server.zmq_inbox import receive_message
+from deepinfer.wire.inbox import receive_message
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 
 logger = logging.getLogger(__name__)

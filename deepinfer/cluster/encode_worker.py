@@ -29,16 +29,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeInput, EncodeWorkerReady,
                                                EncodeWorkerReport)
-from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
+from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, WorkerFailed
 from deepinfer.cluster.worker_proc import open_worker_process, worker_output_sender
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
-from deepinfer.multimodal.mm_inputs import PixelArray
-from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.wire.mm_inputs import PixelArray
+from deepinfer.wire.inbox import drain_messages
 from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, channel_name
 
 logger = logging.getLogger(__name__)

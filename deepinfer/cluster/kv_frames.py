@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from deepinfer.cluster.messages import KVPull, KVPullReply
+from deepinfer.wire.worker_messages import KVPull, KVPullReply
 from deepinfer.kvstore.tensor_codec import _torch_dtype
 from deepinfer.wire import ChannelReceiver, ChannelSender, FrameDropped, channel_name
 from deepinfer.wire import drops

@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from deepinfer.cluster import kv_frames
-from deepinfer.cluster.messages import KVPull, KVPullReply
+from deepinfer.wire.worker_messages import KVPull, KVPullReply
 
 logger = logging.getLogger(__name__)
 IDLE_SOURCE_CLOSE_S = 60.0  # a source's DEALER with no pull for this long is closed

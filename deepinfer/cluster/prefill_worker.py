@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.cluster.kv_transport import KVTransport
-from deepinfer.cluster.messages import AbortRequests, PrefillDone, PrefillRequest
+from deepinfer.wire.worker_messages import AbortRequests, PrefillDone, PrefillRequest
 from deepinfer.cluster.prefill_images import (attach_embedding_store, image_spans,
                                               missing_embeddings)
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier

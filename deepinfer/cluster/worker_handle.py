@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport, WorkerReady
+from deepinfer.wire.worker_messages import WorkerCounters, WorkerLoadReport, WorkerReady
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.routing import WorkerLoad
 from deepinfer.wire import ChannelSender, channel_name

@@ -15,14 +15,14 @@ import time
 
 import zmq
 
-from deepinfer.cluster.messages import (AbortRequests, DebugHangLoop, PrefillDone,
+from deepinfer.wire.worker_messages import (AbortRequests, DebugHangLoop, PrefillDone,
                                         ShutdownWorker,
                                         WorkerCounters, WorkerLoadReport, WorkerReport,
                                         ClusterInput)
 from deepinfer.cluster.worker_spec import WorkerSpec
-from deepinfer.server.engine_proc import OutputDeltaTracker
-from deepinfer.server.messages import RequestDelta, RequestError
-from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.cluster.engine_proc import OutputDeltaTracker
+from deepinfer.wire.engine_messages import RequestDelta, RequestError
+from deepinfer.wire.inbox import drain_messages
 from deepinfer.wire import PROCESS_DROPS, ChannelReceiver, ChannelSender, channel_name
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import traceback
 
 import zmq
 
-from deepinfer.cluster.messages import WorkerFailed, WorkerHeartbeat, WorkerReady
+from deepinfer.wire.worker_messages import WorkerFailed, WorkerHeartbeat, WorkerReady
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.step_faults import isolate_step_faults
 from deepinfer.wire import ChannelSender, channel_name, tokenizer_to_files

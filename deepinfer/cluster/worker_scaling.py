@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.cluster.messages import ShutdownWorker
+from deepinfer.wire.worker_messages import ShutdownWorker
 from deepinfer.cluster.worker_spec import CLUSTER_ROLES
 from deepinfer.cluster.worker_supervisor import WorkerState
 

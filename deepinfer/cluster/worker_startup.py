@@ -5,7 +5,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from deepinfer.cluster.messages import WorkerFailed
+from deepinfer.wire.worker_messages import WorkerFailed
 from deepinfer.engine.exceptions import EngineDeadError
 
 

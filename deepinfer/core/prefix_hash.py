@@ -38,7 +38,7 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int],
 
 class ImageSpan(Protocol):
     """An image's expanded tokens at prompt positions [offset, offset + length)
-    (deepinfer.multimodal.mm_inputs.ImagePlaceholder)."""
+    (deepinfer.wire.mm_inputs.ImagePlaceholder)."""
 
     image_hash: str
     offset: int

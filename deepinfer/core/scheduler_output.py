@@ -95,3 +95,18 @@ class StepResult:
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: a token's log-probability at one position, its rank there (1 = the
+    most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt log-probs: None for the first prompt token (nothing predicts it), then per
+# prompt token {token id: Logprob} with the top-k alternatives and the prompt token itself.
+PromptLogprobs = list[dict[int, Logprob] | None]

@@ -120,7 +120,7 @@ class LLMEngine:
                     arrival_time: float | None = None, prompt: str | None = None,
                     mm_inputs=None) -> None:
         """Queue a request. Raises ValueError (nothing queued) for bad input. `mm_inputs`: the
-        prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
+        prompt's images (deepinfer.wire.mm_inputs.MultiModalInputs)."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = check_prompt(prompt_token_ids, self.model_config.vocab_size,

@@ -3,22 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.core.scheduler_output import TokenLogprobs
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """vLLM's Logprob: a token's log-probability at one position, its rank there (1 = the
-    most likely) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# vLLM's prompt log-probs: None for the first prompt token (nothing predicts it), then per
-# prompt token {token id: Logprob} with the top-k alternatives and the prompt token itself.
-PromptLogprobs = list[dict[int, Logprob] | None]
+from deepinfer.core.scheduler_output import Logprob, PromptLogprobs, TokenLogprobs
 
 
 def prompt_logprob_entry(lp: TokenLogprobs, token_text) -> dict[int, Logprob]:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.core.scheduler_output import PromptLogprobsChunk, TokenLogprobs
+from deepinfer.core.scheduler_output import PromptLogprobs, PromptLogprobsChunk, TokenLogprobs
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.outputs import (CompletionOutput, PromptLogprobs, RequestMetrics,
-                                      RequestOutput, prompt_logprob_entry)
+from deepinfer.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput,
+                                      prompt_logprob_entry)
 from deepinfer.sampling_params import SamplingParams
 
 

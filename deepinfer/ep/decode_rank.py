@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.ep.lockstep_faults import LockstepStepFaults
-from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
+from deepinfer.wire.ep_messages import EPLBStats, WorkerEPLBStats
 
 logger = logging.getLogger(__name__)
 

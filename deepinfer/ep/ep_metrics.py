@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from deepinfer.ep.messages import EPLBStats
-from deepinfer.server.metrics import PREFIX
+from deepinfer.wire.ep_messages import EPLBStats
+from deepinfer.wire.metric_prefix import PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.ep.messages import EPLBStats, RankOutput
+from deepinfer.wire.ep_messages import EPLBStats, RankOutput
 from deepinfer.ep.process_group import free_port
 from deepinfer.ep.rank_proc import run_rank_proc
 from deepinfer.engine.exceptions import EngineDeadError, exit_message
-from deepinfer.server.messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
+from deepinfer.wire.engine_messages import EngineDead, EngineOutputs, EngineReady, EngineStatsSnapshot
 from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
 
 

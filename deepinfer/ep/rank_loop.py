@@ -19,10 +19,10 @@ import os
 import time
 
 from deepinfer.ep.lockstep_faults import LockstepStepFaults
-from deepinfer.ep.messages import EPLBStats, ForceRebalance, RankInput, WakeUp
+from deepinfer.wire.ep_messages import EPLBStats, ForceRebalance, RankInput, WakeUp
 from deepinfer.ep.process_group import RankGroup
 from deepinfer.moe.expert_parallel import ExpertParallelRuntime
-from deepinfer.server.engine_proc import IDLE_STATS_PERIOD_S, EngineLoop
+from deepinfer.cluster.engine_proc import IDLE_STATS_PERIOD_S, EngineLoop
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.cluster.worker_proc import open_worker_process
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.server.messages import EngineDead, EngineReady
+from deepinfer.wire.engine_messages import EngineDead, EngineReady
 from deepinfer.wire import ChannelSender, TokenizerFiles, channel_name, tokenizer_to_files
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | Non
             tokenizer_files=tokenizer_to_files(engine.tokenizer) if rank == 0
             else TokenizerFiles())))
         if runtime is None:
-            from deepinfer.server.engine_proc import EngineLoop
+            from deepinfer.cluster.engine_proc import EngineLoop
             EngineLoop(engine, input_socket, output_socket, parent_pid,
                        endpoints=(input_addr, output_addr)).run()
         else:

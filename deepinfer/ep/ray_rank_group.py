@@ -22,9 +22,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from deepinfer.cluster.ray_actors import LoopThread, RayActorProcess
 from deepinfer.cluster.ray_launcher import (DEFAULT_EP_STRATEGY, EP_PLACEMENT_STRATEGIES,
-                                            LoopThread, RayActorProcess, RoleResources,
-                                            connect_actors, disconnect_ray)
+                                            RoleResources, connect_actors, disconnect_ray)
 from deepinfer.ep.rank_group_handle import GroupHandle, RankHandle, front_sockets
 from deepinfer.engine.exceptions import EngineDeadError
 

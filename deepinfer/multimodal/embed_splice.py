@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder
+from deepinfer.wire.mm_inputs import ImagePlaceholder
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from deepinfer.multimodal.embed_splice import RequestImages, splice_input_embeds
 from deepinfer.multimodal.embedding_cache import EmbeddingCache
-from deepinfer.multimodal.mm_inputs import MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import MultiModalInputs, PixelArray
 
 logger = logging.getLogger(__name__)
 

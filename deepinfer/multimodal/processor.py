@@ -15,7 +15,7 @@ import numpy as np
 
 from deepinfer.multimodal.image_input import (ImageInputError, MediaPolicy, check_image_count,
                                               image_content_hash, load_image)
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 

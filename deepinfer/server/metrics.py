@@ -12,10 +12,10 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from deepinfer.server.messages import EngineStatsSnapshot, RequestTimes
+from deepinfer.wire.engine_messages import EngineStatsSnapshot, RequestTimes
 from deepinfer.server.wire_metrics import WireDropsCollector
+from deepinfer.wire.metric_prefix import PREFIX
 
-PREFIX = "deepinfer:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -79,22 +79,6 @@ class EngineStatsCollector:
         if s.embedding_cache_hits is not None:  # colocated vision tower: deepinfer:encode_*
             from deepinfer.multimodal.encode_metrics import engine_encode_metrics
             yield from engine_encode_metrics(s)
-
-
-class EngineRestartsCollector:
-    """`deepinfer:engine_restarts_total`: engine processes started after the previous one died
-    (colocated serving; the supervisor's work)."""
-
-    def __init__(self, get_restarts: Callable[[], int], model_name: str) -> None:
-        self.get_restarts = get_restarts
-        self.model_name = model_name
-
-    def collect(self):
-        counter = CounterMetricFamily(PREFIX + "engine_restarts",
-                                      "Engine processes restarted after a failure.",
-                                      labels=["model_name"])
-        counter.add_metric([self.model_name], self.get_restarts())
-        yield counter
 
 
 class ServerMetrics:

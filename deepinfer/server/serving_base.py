@@ -19,7 +19,7 @@ from deepinfer.sampling_params import InvalidParameter, SamplingParams
 from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.server.admission import Admission, AdmissionGate
 from deepinfer.server.errors import APIError, bad_request
-from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import UNSUPPORTED_FIELDS, PromptTokensDetails, UsageInfo
 from deepinfer.server.structured_request import structured_outputs_for
@@ -61,7 +61,7 @@ class EngineRequestState:
     choices: list[ChoiceState]
     num_cached_tokens: int = 0
     finished: bool = False
-    prompt_logprobs: list | None = None  # engine.outputs.PromptLogprobs, once computed
+    prompt_logprobs: list | None = None  # core.scheduler_output.PromptLogprobs, once computed
 
     def apply(self, delta: RequestDelta) -> None:
         self.num_cached_tokens = delta.num_cached_tokens
@@ -319,7 +319,7 @@ class OpenAIServing:
                      ) -> AsyncIterator[EngineRequestState]:
         """Run one engine request; yields its state after every delta (same object, updated).
         Engine rejection -> 400 APIError; dead engine -> 500 APIError. `mm_inputs`: the
-        prompt's images (deepinfer.multimodal.mm_inputs.MultiModalInputs)."""
+        prompt's images (deepinfer.wire.mm_inputs.MultiModalInputs)."""
         arrival = time.monotonic()
         state = EngineRequestState(request_id, prompt_token_ids,
                                    [ChoiceState(i) for i in range(params.n)])

@@ -57,8 +57,8 @@ def test_engine_loop_rejects_a_request_it_cannot_add_instead_of_dying():
     from types import SimpleNamespace
 
     from deepinfer.sampling_params import SamplingParams
-    from deepinfer.server.engine_proc import EngineLoop
-    from deepinfer.server.messages import AddRequest
+    from deepinfer.cluster.engine_proc import EngineLoop
+    from deepinfer.wire.engine_messages import AddRequest
 
     def add_request(*args, **kwargs):
         raise OverflowError("Python int too large to convert to C long")

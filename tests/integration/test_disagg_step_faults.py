@@ -20,7 +20,7 @@ import torch
 from deepinfer.cluster.decode_engine import DisaggDecodeEngine
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.cluster.kv_transport import KVFetchResult, ZmqKVTransport
-from deepinfer.cluster.messages import DecodeRequest, PrefillRequest
+from deepinfer.wire.worker_messages import DecodeRequest, PrefillRequest
 from deepinfer.cluster.prefill_worker import PrefillWorkerLoop
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier, layout_for_cache
 from deepinfer.cluster.worker_spec import WorkerSpec

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from deepinfer.cluster.kv_transport import ZmqKVTransport
-from deepinfer.cluster.messages import PrefillRequest
+from deepinfer.wire.worker_messages import PrefillRequest
 from deepinfer.cluster.prefill_worker import PrefillWorkerLoop
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.sampling_params import SamplingParams

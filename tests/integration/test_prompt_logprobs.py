@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.outputs import Logprob
+from deepinfer.core.scheduler_output import Logprob
 from tests.integration.engine_checks import generate_checked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

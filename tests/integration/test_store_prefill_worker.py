@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from deepinfer.cluster.kv_transport import ZmqKVTransport
-from deepinfer.cluster.messages import PrefillRequest
+from deepinfer.wire.worker_messages import PrefillRequest
 from deepinfer.cluster.prefill_worker import STORE_PROBE_EVERY, PrefillWorkerLoop
 from deepinfer.cluster.prefix_store_tier import SharedPrefixTier, layout_for_cache
 from deepinfer.cluster.worker_spec import WorkerSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deepinfer.server.messages import ChoiceDelta, EngineStatsSnapshot, RequestDelta
+from deepinfer.wire.engine_messages import ChoiceDelta, EngineStatsSnapshot, RequestDelta
 
 VOCAB = 100
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from deepinfer.cli.errors import CLIError
 from deepinfer.server.api_server import ServerConfig, build_app
-from deepinfer.server.messages import EngineStatsSnapshot
+from deepinfer.wire.engine_messages import EngineStatsSnapshot
 
 KEY = "sekrit"
 

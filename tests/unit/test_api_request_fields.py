@@ -206,7 +206,7 @@ def test_engine_rejections_name_the_field(chat):
     not the prompt, however the message is worded."""
     import asyncio
 
-    from deepinfer.server.messages import RequestError, rejection_error
+    from deepinfer.wire.engine_messages import RequestError, rejection_error
 
     async def generate(*args, **kwargs):
         raise rejection_error(RequestError("r", "no token is left to sample before min_tokens",
@@ -282,8 +282,8 @@ def test_chat_names_its_own_field_for_logprobs(chat, monkeypatch):
 def test_engine_loop_sends_the_rejected_field():
     """The engine process's rejection carries InvalidParameter.param over the wire."""
     from deepinfer.sampling_params import InvalidParameter, SamplingParams
-    from deepinfer.server.engine_proc import EngineLoop
-    from deepinfer.server.messages import (AddRequest, EngineOutputs, make_encoder,
+    from deepinfer.cluster.engine_proc import EngineLoop
+    from deepinfer.wire.engine_messages import (AddRequest, EngineOutputs, make_encoder,
                                            make_engine_decoder, rejection_error)
 
     class Engine:

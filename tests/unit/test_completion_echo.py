@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.engine.outputs import Logprob
+from deepinfer.core.scheduler_output import Logprob
 from deepinfer.server.api_server import ServerConfig, build_app
-from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta
 from tests.unit.fake_engine_client import VOCAB, FakeEngineClient
 
 

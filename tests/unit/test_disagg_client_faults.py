@@ -13,7 +13,7 @@ import zmq
 
 from deepinfer.cluster.cluster_config import ClusterConfig
 from deepinfer.clients.disagg import DisaggClient
-from deepinfer.cluster.messages import (AbortRequests, ClusterInput, DecodeRequest, PrefillDone,
+from deepinfer.wire.worker_messages import (AbortRequests, ClusterInput, DecodeRequest, PrefillDone,
                                         PrefillRequest, WorkerCounters, WorkerFailed,
                                         WorkerHeartbeat, WorkerLoadReport, WorkerReady,
                                         WorkerReport)
@@ -25,7 +25,7 @@ from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.routing import RoutingRequest
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.server.messages import ChoiceDelta, RequestDelta, RequestError
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta, RequestError
 
 pytestmark = pytest.mark.timeout(60)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from deepinfer.cluster.messages import DecodeRequest, PrefillRequest
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.worker_messages import DecodeRequest, PrefillRequest
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from tests.unit.test_disagg_client_faults import PARAMS, first_token, run_front, until
 
 pytestmark = pytest.mark.timeout(60)

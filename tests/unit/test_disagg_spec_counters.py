@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.clients.disagg import DisaggClient
-from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport
+from deepinfer.wire.worker_messages import WorkerCounters, WorkerLoadReport
 from deepinfer.core.spec_decode_stats import SpecDecodeStats
 from deepinfer.server.metrics import ServerMetrics
 

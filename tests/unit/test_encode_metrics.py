@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.multimodal.encode_metrics import BucketCounts
-from deepinfer.server.messages import EngineStatsSnapshot
+from deepinfer.wire.engine_messages import EngineStatsSnapshot
 from deepinfer.server.metrics import EngineStatsCollector
 
 
@@ -49,7 +49,7 @@ def test_bucket_counts_are_a_cumulative_histogram():
 def test_encode_stage_collector():
     from types import SimpleNamespace
 
-    from deepinfer.cluster.encode_messages import EncodeCounters
+    from deepinfer.wire.encode_messages import EncodeCounters
     from deepinfer.multimodal.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER_REQUEST_BUCKETS,
                                                   EncodeCollector)
     from deepinfer.routing.encode_router import build_encode_router

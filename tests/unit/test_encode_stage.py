@@ -10,11 +10,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from deepinfer.cluster.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
+from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeImages,
                                                EncodeWorkerReport)
 from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire.channel import ChannelReceiver, channel_name
 
@@ -134,7 +134,7 @@ class FakeProc:
 
 
 def test_lost_worker_is_restarted_and_routed_to_once_ready():
-    from deepinfer.cluster.encode_messages import EncodeWorkerReady
+    from deepinfer.wire.encode_messages import EncodeWorkerReady
 
     async def go(s: Stage):
         stage = s.stage

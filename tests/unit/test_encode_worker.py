@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.cluster.encode_messages import EncodeImages
+from deepinfer.wire.encode_messages import EncodeImages
 from deepinfer.cluster.encode_worker import EncodeWorker
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
 from deepinfer.multimodal.embedding_cache import EmbeddingCache
 from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
-from deepinfer.multimodal.mm_inputs import PixelArray
+from deepinfer.wire.mm_inputs import PixelArray
 
 
 class FakeTower:

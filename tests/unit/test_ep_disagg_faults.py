@@ -14,14 +14,14 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.cluster.cluster_config import ClusterConfig
-from deepinfer.cluster.messages import DecodeRequest, WorkerFailed
+from deepinfer.wire.worker_messages import DecodeRequest, WorkerFailed
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.ep.decode_rank import EPRankSpec
 from deepinfer.ep.ep_config import EPConfig
 from deepinfer.clients.ep_disagg import EPDisaggClient
-from deepinfer.ep.messages import EPLBStats, WorkerEPLBStats
+from deepinfer.wire.ep_messages import EPLBStats, WorkerEPLBStats
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.server.messages import ChoiceDelta, RequestDelta, RequestError
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta, RequestError
 from tests.unit.test_disagg_client_faults import (BLOCK, FakeWorker, consume, drive_front,
                                                   first_token, until)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.cluster import kv_frames
-from deepinfer.cluster.messages import KVPull, KVPullReply
+from deepinfer.wire.worker_messages import KVPull, KVPullReply
 from deepinfer.wire.drops import DropCounter
 
 ADDR = "tcp://127.0.0.1:7777"

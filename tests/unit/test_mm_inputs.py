@@ -2,7 +2,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 
 
 def test_mm_inputs_round_trip_over_msgpack():

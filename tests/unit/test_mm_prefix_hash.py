@@ -2,7 +2,7 @@
 from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.prefix_hash import block_extra_keys, hash_request_blocks
 from deepinfer.core.request import Request
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder
+from deepinfer.wire.mm_inputs import ImagePlaceholder
 from deepinfer.sampling_params import SamplingParams
 
 IMAGE_TOKEN = 9

@@ -5,7 +5,7 @@ import torch
 
 from deepinfer.core.scheduler_output import ScheduledRequest
 from deepinfer.multimodal.embed_splice import RequestImages, splice_input_embeds
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder
+from deepinfer.wire.mm_inputs import ImagePlaceholder
 from deepinfer.multimodal.processor import image_token_spans
 from deepinfer.sampling_params import SamplingParams
 

@@ -14,9 +14,9 @@ from deepinfer.cluster import decode_worker
 from deepinfer.cluster.cluster_metrics import _COUNTERS
 from deepinfer.cluster.decode_worker import DecodeWorkerLoop
 from deepinfer.cluster.kv_transport import KVFetchResult
-from deepinfer.cluster.messages import DecodeRequest, WorkerCounters
+from deepinfer.wire.worker_messages import DecodeRequest, WorkerCounters
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta
 
 
 class Clock:
@@ -158,7 +158,7 @@ def test_a_running_request_without_a_token_is_counted(worker):
 
 
 def test_an_aborted_request_leaves_no_times_behind(worker):
-    from deepinfer.cluster.messages import AbortRequests
+    from deepinfer.wire.worker_messages import AbortRequests
     loop, clock = worker
     arrive_pull_admit(loop, clock, "a")
     loop.after_step([token("a")])

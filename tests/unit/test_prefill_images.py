@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from deepinfer.cluster.messages import PrefillRequest
+from deepinfer.wire.worker_messages import PrefillRequest
 from deepinfer.cluster.prefill_images import image_spans, missing_embeddings
 from deepinfer.core.prefix_hash import hash_request_blocks
 from deepinfer.kvstore.memory_store import MemoryKVBlockStore
 from deepinfer.multimodal.embedding_cache import EmbeddingCache
 from deepinfer.multimodal.embedding_store import StoreEmbeddingTier, embedding_store_salt
-from deepinfer.multimodal.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
+from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ from deepinfer.clients.disagg_track import _worker_error
 from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
 from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.sampling_params import InvalidParameter
-from deepinfer.server.messages import RequestError
+from deepinfer.wire.engine_messages import RequestError
 
 
 def test_a_request_id_in_flight_is_refused():

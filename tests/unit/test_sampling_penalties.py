@@ -120,7 +120,7 @@ def test_params_validate():
 
 
 def test_params_cross_the_engine_wire():
-    from deepinfer.server.messages import AddRequest, make_encoder
+    from deepinfer.wire.engine_messages import AddRequest, make_encoder
     import msgspec
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
                        logit_bias={3: 1.5}, allowed_token_ids=[3, 4], bad_words=["a b"],

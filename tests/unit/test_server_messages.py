@@ -4,8 +4,8 @@ from __future__ import annotations
 from deepinfer.core.scheduler_output import TokenLogprobs
 from deepinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_proc import OutputDeltaTracker
-from deepinfer.server.messages import (
+from deepinfer.cluster.engine_proc import OutputDeltaTracker
+from deepinfer.wire.engine_messages import (
     AbortRequest, AddRequest, ChoiceDelta, EngineOutputs, EngineStatsSnapshot, RequestDelta,
     make_encoder, make_engine_decoder, make_front_decoder,
 )

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.cluster.cluster_metrics import ClusterCollector
-from deepinfer.cluster.messages import WorkerCounters, WorkerLoadReport
+from deepinfer.wire.worker_messages import WorkerCounters, WorkerLoadReport
 from deepinfer.cluster.worker_loop import WorkerLoop
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.cluster.worker_spec import WorkerSpec

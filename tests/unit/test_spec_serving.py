@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer.cli.main import main
 from deepinfer.clients.colocated import _add_counters
-from deepinfer.server.messages import EngineStatsSnapshot
+from deepinfer.wire.engine_messages import EngineStatsSnapshot
 from deepinfer.server.metrics import ServerMetrics
 
 

@@ -23,7 +23,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, RequestMetrics
 from deepinfer.engine.request_state import RequestState, SequenceState
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_proc import OutputDeltaTracker
+from deepinfer.cluster.engine_proc import OutputDeltaTracker
 from deepinfer.server.admission import AdmissionGate
 from deepinfer.server.protocol import CompletionRequest
 from deepinfer.server.serving_base import ChoiceState, EngineRequestState, StreamCursor

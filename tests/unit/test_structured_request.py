@@ -11,7 +11,7 @@ import pytest
 
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
 from deepinfer.server.errors import APIError
-from deepinfer.server.messages import AddRequest
+from deepinfer.wire.engine_messages import AddRequest
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.structured.params import StructuredOutputsParams

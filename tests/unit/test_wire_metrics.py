@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.clients.colocated import _add_counters
-from deepinfer.server.messages import EngineStatsSnapshot
+from deepinfer.wire.engine_messages import EngineStatsSnapshot
 from deepinfer.server.wire_metrics import WireDropsCollector
 from deepinfer.wire.drops import PROCESS_DROPS
 

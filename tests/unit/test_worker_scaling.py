@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from deepinfer.cluster.messages import (ClusterInput, PrefillRequest, ShutdownWorker,
+from deepinfer.wire.worker_messages import (ClusterInput, PrefillRequest, ShutdownWorker,
                                         WorkerCounters, WorkerFailed, WorkerReady,
                                         WorkerReport)
 from deepinfer.cluster.worker_scaling import removal_order
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
-from deepinfer.server.messages import ChoiceDelta, RequestDelta
+from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta
 from deepinfer.wire import TokenizerFiles
 from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
 from tests.unit.test_disagg_client_faults import (BLOCK, PARAMS, FakeWorker, run_front,

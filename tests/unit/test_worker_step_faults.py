@@ -7,7 +7,7 @@ import pytest
 from deepinfer.clients.disagg_track import _worker_error
 from deepinfer.engine.step_faults import DebugStepFault
 from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
-from deepinfer.server.messages import RequestError
+from deepinfer.wire.engine_messages import RequestError
 from tests.unit.test_step_fault_pinning import batch
 
 
@@ -40,8 +40,8 @@ def test_a_corrupt_frame_is_skipped_and_the_next_message_read():
     import zmq
     import zmq.asyncio
 
-    from deepinfer.server.messages import EngineDead, make_encoder, make_engine_decoder
-    from deepinfer.server.zmq_inbox import receive_message
+    from deepinfer.wire.engine_messages import EngineDead, make_encoder, make_engine_decoder
+    from deepinfer.wire.inbox import receive_message
 
     async def exchange():
         ctx = zmq.asyncio.Context()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.cluster.messages import WorkerReady
+from deepinfer.wire.worker_messages import WorkerReady
 from deepinfer.cluster.worker_supervisor import WorkerState
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire import TokenizerFiles

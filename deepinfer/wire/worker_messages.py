@@ -9,16 +9,16 @@ A prefill worker answers a `PrefillRequest` with the first token (a `RequestDelt
 KV can be pulled. The front routes a `DecodeRequest` to a decode worker, which allocates
 blocks, pulls the KV, and streams the rest. Every `WorkerReport` doubles as a heartbeat; a
 heartbeat thread also sends `WorkerHeartbeat` while a long step runs.
-Output deltas reuse the colocated server's `RequestDelta` (server.messages).
+Output deltas reuse the colocated server's `RequestDelta` (wire.engine_messages).
 """
 from __future__ import annotations
 
 import msgspec
 
 from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.messages import RequestDelta, RequestError
+from deepinfer.wire.engine_messages import RequestDelta, RequestError
 from deepinfer.wire.tokenizer_files import TokenizerFiles
 
 # --- front -> worker -----------------------------------------------------------------------

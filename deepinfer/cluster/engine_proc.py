@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import zmq
 
 from deepinfer.multimodal.embedding_cache import embedding_stats
-from deepinfer.server.messages import (
+from deepinfer.wire.engine_messages import (
     AbortRequest, AddRequest, ChoiceDelta, EngineDead, EngineOutputs, EngineReady,
     EngineStatsSnapshot, FrontMessage, RequestDelta, RequestError, RequestTimes, Shutdown,
 )
-from deepinfer.server.zmq_inbox import drain_messages
+from deepinfer.wire.inbox import drain_messages
 from deepinfer.wire import (PROCESS_DROPS, ChannelReceiver, ChannelSender, channel_name,
                             tokenizer_to_files)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from deepinfer.cluster.messages import AbortRequests, ShutdownWorker, WorkerFailed
-from deepinfer.multimodal.mm_inputs import PixelArray
+from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, WorkerFailed
+from deepinfer.wire.mm_inputs import PixelArray
 
 # --- front -> encode worker ----------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""Messages of the EP group on top of the engine protocol (server/messages.py): rank control
+"""Messages of the EP group on top of the engine protocol (wire/engine_messages.py): rank control
 from the front, and EPLB results from rank 0. Tags differ from the engine messages, so one
 decoder reads both."""
 from __future__ import annotations
 
 import msgspec
 
-from deepinfer.server.messages import EngineMessage, FrontMessage
+from deepinfer.wire.engine_messages import EngineMessage, FrontMessage
 
 
 class WakeUp(msgspec.Struct, tag=True):

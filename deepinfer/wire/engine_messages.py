@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import msgspec
 
-from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.engine.outputs import Logprob
-from deepinfer.multimodal.mm_inputs import MultiModalInputs
+from deepinfer.core.scheduler_output import Logprob, TokenLogprobs
+from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.sampling_params import InvalidParameter, SamplingParams
 from deepinfer.wire.tokenizer_files import TokenizerFiles
 
@@ -87,7 +86,7 @@ class RequestDelta(msgspec.Struct):
     finished: bool
     num_cached_tokens: int = 0
     times: RequestTimes | None = None  # only on the final delta
-    # SamplingParams.prompt_logprobs (vLLM-shaped, engine.outputs.PromptLogprobs): once, on
+    # SamplingParams.prompt_logprobs (vLLM-shaped, core.scheduler_output.PromptLogprobs): once, on
     # the first delta after the prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
