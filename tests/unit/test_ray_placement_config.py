@@ -109,3 +109,68 @@ def test_cluster_host_sets_the_local_bind_address():
         launcher = launcher_from_args(args)
         assert isinstance(launcher, LocalLauncher)
         assert placement_config(args, launcher)["host"] == host
+    with pytest.raises(ValueError, match="drain_timeout_s must be positive"):
+        client_from_args(parse("--prefill-workers", "1", "--decode-workers", "1",
+                                       "--kv-store", "none", "--drain-timeout", "0"), None)
+
+
+def test_serve_exits_2_with_one_line_on_bad_ray_flags(capsys):
+    from deepinfer.cli.main import main
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["serve", "--port", str(port), "--prefill-workers", "1", "--decode-workers",
+                 "1", "--kv-store", "none", "--cluster", "ray", "--prefill-resources", "[2]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "expected a JSON object" in err and len(err.splitlines()) == 1, err
+
+
+# --- EP groups on Ray: placement-group sizing and the flags (no Ray started) -----------------
+
+def test_group_room_follows_the_placement_strategy():
+    from deepinfer.ep.ray_rank_group import bundles_that_fit, group_room
+    nodes = [node("10.0.0.1", GPU=8.0, decode_node=8.0), node("10.0.0.2", GPU=4.0, decode_node=4.0),
+             node("10.0.0.3", alive=False, GPU=8.0, decode_node=8.0), node("10.0.0.4", GPU=8.0)]
+    rank = {"CPU": 1.0, "GPU": 1.0, "decode_node": 1.0}
+    assert bundles_that_fit(rank, nodes[0]["Resources"]) == 8
+    assert bundles_that_fit(rank, nodes[3]["Resources"]) == 0  # no decode_node
+    assert group_room(rank, nodes, "STRICT_PACK") == 8  # the largest one node
+    assert group_room(rank, nodes, "PACK") == group_room(rank, nodes, "SPREAD") == 12
+    assert group_room(rank, nodes, "STRICT_SPREAD") == 2  # one rank per node, 2 nodes fit
+    assert group_room({"CPU": 3.0}, nodes, "STRICT_PACK") == 2  # 8 CPUs hold 2 x 3
+
+
+def ep_args(**overrides) -> argparse.Namespace:
+    values = dict(cluster="local", ep_rank_resources=None, ep_placement_strategy=None,
+                  cluster_host=None)
+    return argparse.Namespace(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ep_rank_resources": '{"num_gpus": 1}'}, "--ep-rank-resources needs --cluster ray"),
+    ({"ep_placement_strategy": "PACK"}, "--ep-placement-strategy needs --cluster ray"),
+    ({"cluster": "ray", "ep_placement_strategy": "TIGHT"},
+     "--ep-placement-strategy must be one of STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
+    ({"cluster": "ray", "ep_rank_resources": "{"}, "--ep-rank-resources: not JSON"),
+    ({"cluster": "slurm"}, "unknown --cluster 'slurm'"),
+])
+def test_ep_placement_flags_are_checked_before_anything_starts(overrides, message):
+    from deepinfer.ep.ep_config import EPConfig
+    with pytest.raises(ValueError, match=message):
+        client_from_args(ep_args(**overrides), None,
+                         ep_config=EPConfig(data_parallel_size=2, enable_expert_parallel=True))
+
+
+def test_ep_groups_stay_local_by_default():
+    from deepinfer.clients.data_parallel import DataParallelClient
+    from deepinfer.clients.ray_data_parallel import RayDataParallelClient
+    from deepinfer.engine.engine_config import EngineConfig
+    from deepinfer.ep.ep_config import EPConfig
+    client = client_from_args(ep_args(), EngineConfig(),
+                              ep_config=EPConfig(data_parallel_size=2, enable_expert_parallel=True))
+    try:
+        assert type(client) is DataParallelClient and not isinstance(client, RayDataParallelClient)
+    finally:
+        import shutil
+        client._ctx.term()
+        shutil.rmtree(client._ipc_dir, ignore_errors=True)
