@@ -6,7 +6,9 @@ Shape (every name carries a per-session tag, so parallel sessions never collide)
     member ns "worker" eth0 10.S.0.2/24 ──veth── vworker ┼─ br0 in the hub ns (a switch only)
     member ns "attack" eth0 10.S.0.3/24 ──veth── vattack ┘
 
-Nothing is attached to the root namespace, so the test never touches the host's routes. Traffic
+Nothing is attached to the root namespace unless `root_port=True`: then the test process itself
+gets a veth on the bridge as 10.S.0.254 (a connected /24 route in the host, gone at close) so
+it can talk HTTP to a server inside a member without entering a namespace. Traffic
 between members crosses real interfaces and the bridge; `cut(member)` downs its bridge port
 (its packets are dropped, connections stall like an unplugged cable) and `heal(member)` brings
 it back. `close()` always deletes every namespace it made (veths die with them), after killing
@@ -51,6 +53,7 @@ class NetnsTopology:
     """Member namespaces on one /24 behind a bridge; see the module docstring for the shape."""
 
     members: tuple[str, ...]
+    root_port: bool = False
     tag: str = field(default_factory=lambda: secrets.token_hex(3))
     subnet_octet: int = field(default_factory=lambda: 100 + secrets.randbelow(150))
     _created: list[str] = field(default_factory=list)
@@ -78,6 +81,8 @@ class NetnsTopology:
             _ip("-n", self.hub, "link", "set", "br0", "up")
             for member in self.members:
                 self._add_member(member)
+            if self.root_port:
+                self._add_root_port()
         except BaseException:
             self.close()
             raise
@@ -97,6 +102,20 @@ class NetnsTopology:
         _ip("-n", self.hub, "link", "set", port, "up")
         _ip("-n", ns, "addr", "add", f"{self.address(member)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
+
+    def _add_root_port(self) -> None:
+        # Created in the hub with its peer moved to the root ns: deleting the hub deletes both.
+        peer = f"dr{self.tag}"
+        _ip("-n", self.hub, "link", "add", "vroot", "type", "veth", "peer", "name", peer,
+            "netns", "1")
+        _ip("-n", self.hub, "link", "set", "vroot", "master", "br0")
+        _ip("-n", self.hub, "link", "set", "vroot", "up")
+        _ip("addr", "add", f"{self.root_address}/24", "dev", peer)
+        _ip("link", "set", peer, "up")
+
+    @property
+    def root_address(self) -> str:
+        return f"10.{self.subnet_octet}.0.254"
 
     def cut(self, member: str) -> None:
         """Drop all of `member`'s traffic to the others (its bridge port goes down)."""

@@ -2,6 +2,7 @@
 and teardown leaves no namespace behind (also when the body raises)."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ except OSError as exc:
 @pytest.fixture
 def topo():
     require_netns()
-    with NetnsTopology(("front", "worker", "attack")) as t:
+    with NetnsTopology(("front", "worker", "attack"), root_port=True) as t:
         yield t
 
 
@@ -50,9 +51,11 @@ def test_traffic_crosses_namespaces_cut_and_heal(topo):
         assert server.stdout.readline().strip() == "ready"
         assert _connect(topo, "front", "worker") == "pong"
         assert _connect(topo, "attack", "worker") == "pong"
-        # The worker's address does not exist in the root namespace or on loopback there.
-        assert topo.address("worker") not in subprocess.run(
+        # The worker's address is not one of the root namespace's own.
+        assert f"{topo.address('worker')}/" not in subprocess.run(
             ("ip", "-o", "addr"), capture_output=True, text=True).stdout
+        with socket.create_connection((topo.address("worker"), 7411), timeout=5) as c:
+            assert c.recv(16) == b"pong\n"  # the test process, through its root port
         topo.cut("worker")
         assert _connect(topo, "front", "worker", timeout_s=1.0).startswith("fail")
         topo.heal("worker")
@@ -64,13 +67,15 @@ def test_traffic_crosses_namespaces_cut_and_heal(topo):
 
 def test_teardown_removes_namespaces_even_on_failure():
     require_netns()
-    t = NetnsTopology(("a", "b"))
+    t = NetnsTopology(("a", "b"), root_port=True)
     with pytest.raises(ZeroDivisionError):
         with t:
             made = {t.hub, t.ns("a"), t.ns("b")}
             assert made <= netns_names()
             1 / 0
     assert not (made & netns_names())
+    links = subprocess.run(("ip", "-o", "link"), capture_output=True, text=True).stdout
+    assert f"dr{t.tag}" not in links  # the root namespace's port went with the hub
 
 
 def test_bad_members_rejected_and_nothing_left():
