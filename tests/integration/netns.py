@@ -130,6 +130,9 @@ class NetnsTopology:
 
     def close(self) -> None:
         """Kill what still runs inside, then delete every namespace made (idempotent)."""
+        if self.root_port:  # explicitly: a namespace's veths are destroyed asynchronously
+            subprocess.run(("ip", "link", "del", f"dr{self.tag}"), capture_output=True,
+                           timeout=30)
         for name in reversed(self._created):
             _kill_pids_in(name)
             subprocess.run(("ip", "netns", "del", name), capture_output=True, timeout=30)
