@@ -57,6 +57,13 @@ class LocalLauncher:
 
     name = "local"
 
+    def __init__(self, host: str | None = None) -> None:
+        self._host = host  # None: loopback (nothing off this machine can reach the sockets)
+
+    def front_host(self) -> str:
+        """The address the front's and the workers' sockets bind and advertise."""
+        return self._host or "127.0.0.1"
+
     def check(self, cluster) -> None:
         pass
 
@@ -106,18 +113,19 @@ def add_placement_args(parser) -> None:
     g.add_argument("--ep-placement-strategy", default=None, metavar="STRATEGY",
                    help=EP_STRATEGY_HELP)
     g.add_argument("--cluster-host", default=None, metavar="IP",
-                   help="--cluster ray: the address workers use to reach this server's "
-                        "sockets (default: this node's IP as Ray sees it)")
+                   help="the address the cluster's sockets bind and workers use to reach "
+                        "them (--cluster ray: default this node's IP as Ray sees it; "
+                        "--cluster local: default 127.0.0.1)")
 
 
 def launcher_from_args(args) -> WorkerLauncher:
     """The launcher `--cluster` names; Ray flags without Ray are an error."""
     kind = getattr(args, "cluster", "local")
     if kind == "local":
-        for flag in ("prefill_resources", "decode_resources", "cluster_host"):
+        for flag in ("prefill_resources", "decode_resources"):
             if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --cluster ray")
-        return LocalLauncher()
+        return LocalLauncher(host=getattr(args, "cluster_host", None))
     if kind != "ray" and not kind.startswith("ray://"):
         raise ValueError(f"unknown --cluster {kind!r}: choose {CLUSTER_KINDS_HELP}")
     from deepinfer.cluster.ray_launcher import RoleResources

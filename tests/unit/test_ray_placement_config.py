@@ -98,6 +98,17 @@ def test_placement_flags_reach_the_cluster_config():
         assert isinstance(client.launcher, LocalLauncher)
     finally:
         asyncio.run(client.shutdown())
+
+
+def test_cluster_host_sets_the_local_bind_address():
+    """--cluster-host with the local launcher: sockets bind a non-loopback address (netns
+    tests put an attacker on another host of that network); default stays loopback."""
+    from deepinfer.cluster.launcher import placement_config
+    for argv, host in ((("--cluster-host", "10.9.0.1"), "10.9.0.1"), ((), "127.0.0.1")):
+        args = parse("--prefill-workers", "1", "--decode-workers", "1", *argv)
+        launcher = launcher_from_args(args)
+        assert isinstance(launcher, LocalLauncher)
+        assert placement_config(args, launcher)["host"] == host
     with pytest.raises(ValueError, match="drain_timeout_s must be positive"):
         client_from_args(parse("--prefill-workers", "1", "--decode-workers", "1",
                                        "--kv-store", "none", "--drain-timeout", "0"), None)
