@@ -161,7 +161,10 @@ def test_fp32_engine_never_loads_the_kernel(engine_base_llm):
 PROMPTS = ["The capital of France is Paris. " * 12,
            "Once upon a time, there was a little robot who " * 8,
            "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+# The kernel and SDPA round bf16 differently; where the reference's top two tokens are this
+# close (nats), either pick is the model's answer and the two runs may part there.
+NEAR_TIE = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,22 @@ def bf16_pair():
 
 
 def _tokens(llm, prompts):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _assert_same_greedy(got, want) -> None:
+    """Token for token equal, except where `want` (the SDPA run) had a near-tie: a sequence may
+    part there (to `want`'s second choice) and is not compared after it; most may not."""
+    parted = 0
+    for g, w in zip(got, want, strict=True):
+        for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids, strict=True)):
+            if tg != tw:
+                lp = w.logprobs[i]
+                gap = lp.top_logprobs[0] - lp.top_logprobs[1]
+                assert tg == lp.top_token_ids[1] and gap < NEAR_TIE, (i, g.token_ids, w.token_ids, gap)
+                parted += 1
+                break
+    assert parted <= len(want) // 3, parted
 
 
 @pytest.mark.slow
@@ -205,5 +223,5 @@ def test_default_model_greedy_tokens_equal_with_kernel_on_and_off(bf16_pair, ker
                 kernel_here._fn = fn
         assert llm.engine.get_stats().prefix_cache_hits > hits
         assert bool(calls) == (llm is on)
-        results.append((alone, together))
-    assert results[0] == results[1]
+        results.append(alone + together)
+    _assert_same_greedy(results[0], results[1])

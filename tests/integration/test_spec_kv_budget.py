@@ -19,7 +19,7 @@ def cache_bytes(cache) -> int:
 
 
 def test_draft_model_kv_is_inside_the_kv_cache_memory(make_engine_llm, caplog):
-    with caplog.at_level(logging.INFO, logger="deepinfer.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="deepinfer.engine"):  # engine start logs there
         llm = make_engine_llm(kv_cache_memory=BUDGET, speculative_config={
             "method": "draft_model", "num_speculative_tokens": 2})
     engine = llm.engine
