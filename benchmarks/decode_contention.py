@@ -10,7 +10,7 @@ seconds against the profile's prediction.
     .venv/bin/python benchmarks/decode_contention.py --out /tmp/decode_contention.json
 
 The competitors' batches are `deepinfer profile --memory-contention`'s neighbours
-(runtime.host_contention.MEMORY_CONTENTION_NEIGHBOURS); `--profiler-check` also runs that measurement
+(bench.host_contention.MEMORY_CONTENTION_NEIGHBOURS); `--profiler-check` also runs that measurement
 (`measure_memory_contention`: its steps per CPU-second ratios) and prints it beside this table.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _engine():
 
 def competitor(kind: str, ready: str, seconds: float) -> None:
     """Loop one batch until `seconds` pass (or the parent kills us)."""
-    from deepinfer.runtime.host_contention import MEMORY_CONTENTION_NEIGHBOURS
+    from deepinfer.bench.host_contention import MEMORY_CONTENTION_NEIGHBOURS
     from deepinfer.runtime.profiler import StepProfiler
     engine = _engine()
     profiler = StepProfiler(engine.runner, engine.model_config.vocab_size, seed=3)
@@ -120,7 +120,7 @@ def main() -> int:
           + f" (load average {load:.2f})")
     profiler_check = None
     if args.profiler_check:
-        from deepinfer.runtime.host_contention import measure_memory_contention
+        from deepinfer.bench.host_contention import measure_memory_contention
         profiler_check = measure_memory_contention(
             engine.runner, engine.model_config.vocab_size,
             {"num_threads": 1, "num_kv_blocks": 2048})

@@ -63,7 +63,7 @@ def decode_rate(llm, prompt: list[int], num_tokens: int) -> float:
 
 def kernel_switch(model, isa_name: str):
     """A callable that gives every quantized layer of `model` the verified kernel at `isa_name`."""
-    from deepinfer.quant.quantized_model import quantized_modules
+    from deepinfer.models.quantized_model import quantized_modules
     from deepinfer.runtime.cpu_quant_linear import ISA_CODES, _load
 
     kernel = _load(ISA_CODES[isa_name])
@@ -94,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
 
     from deepinfer import LLM
-    from deepinfer.quant.quantized_model import weight_bytes_by_format
+    from deepinfer.models.quantized_model import weight_bytes_by_format
 
     bench = BenchReport()
     with tempfile.TemporaryDirectory(prefix="fp8-bench-") as root:

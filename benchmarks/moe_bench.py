@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepinfer.models.moe_config import MoEConfig  # noqa: E402
+from deepinfer.moe.moe_config import MoEConfig  # noqa: E402
 from deepinfer.moe.layer import MoEExperts, naive_expert_loop  # noqa: E402
 from deepinfer.moe.routing import select_experts  # noqa: E402
 

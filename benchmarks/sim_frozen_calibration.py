@@ -20,7 +20,6 @@ model's mechanisms were decided; held out: never run before this file was frozen
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.sim_frozen_files import sha256  # noqa: E402
 
 DEVELOPMENT = [
     "w1: random 32 x 256 in / 128 out, all at once",
@@ -48,10 +49,6 @@ DEVELOPMENT = [
 # core's (0.94) would make it 6-32% high. What the P/D prefill workers spend beyond their
 # profiled steps is measured in situ instead (`derived.prefill_cpu_per_handoff_s`).
 SIMULATOR_RULES = {"host_sharing": "fair", "time_sharing": False, "memory_contention": False}
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def git_commit() -> str | None:
@@ -108,32 +105,6 @@ def derived_terms(in_situ_rows: dict, host_cpu: dict, profile: dict) -> dict:
                            / run["requests"])
     return {"prefill_cpu_per_handoff_s": max(0.0, sum(per_request) / len(per_request)),
             "prefill_cpu_per_handoff_runs_s": per_request}
-
-
-def host_cpu_with_derived(frozen: dict) -> dict:
-    """The frozen host-CPU calibration plus the derived P/D prefill term, as the simulated
-    clusters' `host` section takes it."""
-    host_cpu = json.loads(Path(frozen["host_cpu_path"]).read_text())
-    term = (frozen.get("derived") or {}).get("prefill_cpu_per_handoff_s")
-    if term:
-        host_cpu["pd"] = {**host_cpu["pd"], "prefill_cpu": {"per_handoff_s": term}}
-    return host_cpu
-
-
-def load_frozen(path: str) -> dict:
-    """The manifest with absolute `profile_path` / `host_cpu_path`; ValueError when a file is
-    missing or its hash differs from the frozen one (a refit is a new calibration)."""
-    manifest_path = Path(path)
-    data = json.loads(manifest_path.read_text())
-    for key in ("profile", "host_cpu"):
-        file = manifest_path.parent / data[key]
-        if not file.exists():
-            raise ValueError(f"{path}: {data[key]} is missing")
-        if sha256(file) != data[f"{key}_sha256"]:
-            raise ValueError(f"{path}: {data[key]} changed since it was frozen "
-                             "(sha256 differs); a new measurement is a new calibration name")
-        data[f"{key}_path"] = str(file)
-    return data
 
 
 def in_situ(profile: str, host_cpu: dict, rules: dict) -> dict:

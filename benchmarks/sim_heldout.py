@@ -128,7 +128,7 @@ def table(cases: dict) -> str:
 
 
 def main() -> None:
-    from benchmarks.sim_frozen_calibration import load_frozen
+    from benchmarks.sim_frozen_files import load_frozen
     from benchmarks.sim_validation import loaded_runs, write
     from benchmarks.sim_validation_cluster import use_rules
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,7 +153,7 @@ def main() -> None:
     shared = [p / "shared" / "traces" for p in ROOT.parents if (p / "shared" / "traces").is_dir()]
     dirs = [Path(d) for d in (args.traces_dir or [])] + shared + (
         [Path(os.environ["DEEPINFER_TRACES"])] if os.environ.get("DEEPINFER_TRACES") else [])
-    from benchmarks.sim_frozen_calibration import host_cpu_with_derived
+    from benchmarks.sim_frozen_files import host_cpu_with_derived
     from benchmarks.sim_validation_calibration import use_calibration
     use_calibration(host_cpu_with_derived(frozen))
     use_rules(frozen.get("simulator", {}))

@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None):
     add_workload_args(parser)
     args = parser.parse_args(argv)
     if args.calibration is not None:
-        from benchmarks.sim_frozen_calibration import load_frozen
+        from benchmarks.sim_frozen_files import load_frozen
         if args.profile is not None or args.host_cpu is not None:
             parser.exit(2, "sim_validation: --calibration brings its own profile and host CPU\n")
         try:
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = json.load(f).get("metadata", {})
     host_cpu = configure(args.host_cpu, resimulate_only=args.measured is not None)
     if getattr(args, "frozen", None) is not None:  # with the frozen calibration's derived terms
-        from benchmarks.sim_frozen_calibration import host_cpu_with_derived
+        from benchmarks.sim_frozen_files import host_cpu_with_derived
         from benchmarks.sim_validation_calibration import use_calibration
         host_cpu = host_cpu_with_derived(args.frozen)
         use_calibration(host_cpu)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured.params import StructuredOutputsParams
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures sample greedily
@@ -11,18 +12,6 @@ MIN_TOP_P = 1e-7  # smaller top_p keeps just the top token, as this does
 # What a request's logprobs report, engine-wide (vLLM's --logprobs-mode; the first is the
 # default): see deepinfer.runtime.sampler.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
-class InvalidParameter(ValueError):
-    """A bad request value; `param` names the field (a SamplingParams field name, which the
-    API reports as the error's `param`), whatever the message says."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-    def __reduce__(self):  # picklable with its field (it may cross a process boundary)
-        return type(self), (self.param, str(self))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import random
 import time
 
 from deepinfer.bench.errors import BenchError
-from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
+from deepinfer.engine.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub) -> None:
@@ -136,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
 
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
         raise BenchError("--num-prompts, --input-len and --output-len must be positive")
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     trace = _step_trace(args, config)
     try:
         vocab = resolve_model(config.model).config.vocab_size

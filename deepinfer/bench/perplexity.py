@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.bench.errors import BenchError
-from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
+from deepinfer.engine.engine_args import add_engine_args, engine_config_from_args
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.llm import LLM
 
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     source, tokenizer, token_ids, windows = _prepare(args, config)
     try:
         llm = LLM.from_engine(LLMEngine(config, source=source, tokenizer=tokenizer))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
+from deepinfer.engine.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub) -> None:
@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer.cli.main import CLIError
     from deepinfer.sampling_params import SamplingParams
 
-    config = engine_config_from_args(args)
     try:
+        config = engine_config_from_args(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as e:

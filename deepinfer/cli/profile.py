@@ -146,17 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_sharing(args, engine, metadata: dict) -> None:
     if args.host_sharing > 0:
-        from deepinfer.runtime.host_contention import measure_host_sharing
+        from deepinfer.bench.host_contention import measure_host_sharing
         metadata["host_sharing"] = measure_host_sharing(args.host_sharing)
     # The competing process loads the same model, one thread (time-sharing, memory contention).
     rival = {"model": args.model, "dtype": args.dtype, "device": args.device, "num_threads": 1,
              "kv_cache_memory": args.kv_cache_memory, "block_size": args.block_size}
     if args.time_sharing:
-        from deepinfer.runtime.host_contention import measure_time_sharing
+        from deepinfer.bench.host_contention import measure_time_sharing
         metadata["time_sharing"] = measure_time_sharing(
             engine.runner, engine.model_config.vocab_size, rival)
     if args.memory_contention:
-        from deepinfer.runtime.host_contention import measure_memory_contention
+        from deepinfer.bench.host_contention import measure_memory_contention
         metadata["memory_contention"] = measure_memory_contention(
             engine.runner, engine.model_config.vocab_size, rival)
 

@@ -9,7 +9,7 @@ import asyncio
 import socket
 import sys
 
-from deepinfer.cli.engine_args import add_engine_args, engine_config_from_args
+from deepinfer.engine.engine_args import add_engine_args, engine_config_from_args
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 # Waiting requests beyond this get a 429 (a burst cannot queue without bound); 0 lifts it.
@@ -18,7 +18,7 @@ DEFAULT_MAX_WAITING = 1024
 
 def register(sub) -> None:
     from deepinfer.arg_groups import create_groups, group
-    from deepinfer.cli.engine_args import add_parallel_args
+    from deepinfer.ep.ep_args import add_parallel_args
     from deepinfer.cluster.cluster_args import add_cluster_args
     from deepinfer.multimodal.media_args import add_media_args
     from deepinfer.server.chat_options import add_chat_args
@@ -118,7 +118,10 @@ def _run(args) -> int:
     from deepinfer.engine.exceptions import EngineDeadError
     from deepinfer.server.api_server import ServerConfig, run_server
 
-    engine_config = engine_config_from_args(args)
+    try:
+        engine_config = engine_config_from_args(args)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if args.max_waiting_requests < 0:
         raise CLIError("--max-waiting-requests must be >= 0 (0: no limit)")
     if args.enable_admin_api and not (args.admin_api_key or args.api_key):
@@ -129,8 +132,11 @@ def _run(args) -> int:
         raise CLIError("--loop-stall-timeout must be > 0 seconds")
     if args.max_engine_restarts < 0:
         raise CLIError("--max-engine-restarts must be >= 0")
-    from deepinfer.cli.engine_args import ep_config_from_args
-    ep_config = ep_config_from_args(args, engine_config)  # None: one engine process
+    from deepinfer.ep.ep_args import ep_config_from_args
+    try:
+        ep_config = ep_config_from_args(args, engine_config)  # None: one engine process
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     decode_ep = None  # disaggregated: the decode workers' expert-parallel groups
     if args.prefill_workers or args.decode_workers:
         decode_ep, ep_config = _decode_ep_config(args, ep_config, engine_config), None

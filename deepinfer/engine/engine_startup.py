@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.core.step_budget import StepBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.engine_config import EngineConfig
-from deepinfer.quant.quantized_model import weight_bytes_by_format
+from deepinfer.models.quantized_model import weight_bytes_by_format
 from deepinfer.runtime.cpu_elementwise_kernels import install_elementwise_kernels
 from deepinfer.runtime.cpu_linear_packing import pack_linear_weights
 from deepinfer.runtime.kv_cache import blocks_that_fit, parse_memory

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
+
+from deepinfer.sampling_params import SamplingParams
 
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> list[int]:

@@ -21,17 +21,10 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from deepinfer.core.request_fault import RequestFault
 from deepinfer.core.scheduler_output import SchedulerOutput
 
 DEBUG_FAULT_SEED_ENV = "DEEPINFER_DEBUG_STEP_FAULT_SEED"
-
-
-class RequestFault(Exception):
-    """A step failed because of these requests (sequence ids) and no others."""
-
-    def __init__(self, request_ids: list[str], message: str) -> None:
-        super().__init__(message)
-        self.request_ids = list(request_ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ def load_rank_model(source, dtype: torch.dtype, device: torch.device, make_runti
     layers = {f"{name}.": module for name, module in model.named_modules()
               if isinstance(module, ExpertParallelExperts)}
     if source.config.quantization is not None:  # FP8: the slots take their experts' FP8 weights
-        from deepinfer.quant.fp8_checkpoint import load_fp8_weights
+        from deepinfer.models.fp8_checkpoint import load_fp8_weights
         load_fp8_weights(model, source.checkpoint, source.config.quantization,
                          skip_prefixes=tuple(layers))
         if device.type == "cpu":

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.models.moe_config import MLAConfig, MoEConfig, mla_config_from_hf, moe_config_from_hf
+from deepinfer.models.mla_config import MLAConfig, mla_config_from_hf
+from deepinfer.moe.moe_config import MoEConfig, moe_config_from_hf
 from deepinfer.quant.quant_config import Fp8BlockQuantConfig, quant_config_from_hf
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2",

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from deepinfer.layers.empty_init import uninitialized
 from deepinfer.layers.mlp import SwiGLUMLP
-from deepinfer.models.moe_config import MoEConfig
+from deepinfer.moe.moe_config import MoEConfig
 from deepinfer.moe.routing import select_experts
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepinfer.models.moe_config import MoEConfig
+from deepinfer.moe.moe_config import MoEConfig
 
 
 def select_experts(router_logits: Tensor, config: MoEConfig,

@@ -246,7 +246,7 @@ def _atol(model, want: Tensor) -> float:
     """bf16 models: _SELF_TEST_TOL. Quantized ones also round activations to int8, where the
     per-op path's torch norms and attention (other bf16 roundings) move a code now and then:
     _QUANT_SELF_TEST_ATOL of the largest value (a wrong kernel is off by O(1) of it)."""
-    from deepinfer.quant.quantized_model import quantized_modules
+    from deepinfer.models.quantized_model import quantized_modules
 
     if not quantized_modules(model):
         return _SELF_TEST_TOL

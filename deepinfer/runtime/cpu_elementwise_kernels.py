@@ -130,7 +130,7 @@ def _module_dtype(module: nn.Module, quantized_only: torch.dtype | None = None) 
     holding nothing else (a GGUF model's MLP, its bias-free attention) runs in the model's
     activation dtype, `quantized_only`. Without kernels those kept torch's SiLU and rotary
     while the fused decode stack runs the C ones: the two paths rounded apart."""
-    from deepinfer.quant.quantized_model import quantized_modules
+    from deepinfer.models.quantized_model import quantized_modules
 
     skip = {id(t) for m in quantized_modules(module) for t in m.buffers()}
     # where oneDNN cannot pack bf16 a PackedLinear holds only its plain weight (an attribute)

@@ -105,7 +105,7 @@ def _try_pack(linear: nn.Linear) -> PackedLinear | None:
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace the bf16 CPU nn.Linear layers of `model` in place; returns how many (a
     quantized model's LM head, kept in one copy, counts too)."""
-    from deepinfer.quant.quantized_model import quantized_modules
+    from deepinfer.models.quantized_model import quantized_modules
 
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()

@@ -161,7 +161,8 @@ def _load(quant_isa: int | None) -> MoEExpertsKernel | None:
             from deepinfer.runtime.cpu_quant_linear import load_quant_linear
             quant = load_quant_linear()
             kernel.takes_quantized = self_test(lib, f"moe_experts_quant[{quant.isa_name}]",
-                                               lambda: check.quant_mismatch(kernel, quant))
+                                               lambda: check.quant_mismatch(kernel, quant,
+                                                                            attach_quantized))
     return kernel if kernel.takes_bf16 or kernel.takes_quantized else None
 
 

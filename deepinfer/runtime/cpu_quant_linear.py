@@ -260,7 +260,7 @@ def load_quant_linear() -> QuantLinearKernel | None:
 def install_quant_kernels(model: torch.nn.Module) -> int:
     """Give every quantized CPU layer of `model` the verified kernel; returns how many (0 when
     the kernel is unavailable: the layers keep their reference path)."""
-    from deepinfer.quant.quantized_model import quantized_modules
+    from deepinfer.models.quantized_model import quantized_modules
 
     targets = [m for m in quantized_modules(model)
                if all(kernel_takes(p) for p in m.parts)]

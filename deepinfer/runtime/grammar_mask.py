@@ -18,7 +18,7 @@ import xgrammar as xgr
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest
-from deepinfer.engine.step_faults import RequestFault
+from deepinfer.core.request_fault import RequestFault
 from deepinfer.structured.grammars import GrammarCache
 
 # Past this many tokens to undo, rebuilding the matcher and replaying the output is cheaper.

@@ -112,15 +112,15 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32,
     with torch.device(device):
         model = build_model(source.config, dtype)
     if mode == "fp8":  # a block-scaled FP8 checkpoint: its weights stay FP8
-        from deepinfer.quant.fp8_checkpoint import load_fp8_weights
+        from deepinfer.models.fp8_checkpoint import load_fp8_weights
         load_fp8_weights(model, checkpoint, source.config.quantization)
     elif mode == "gguf":
-        from deepinfer.quant.quantized_model import load_quantized_weights
+        from deepinfer.models.quantized_model import load_quantized_weights
         load_quantized_weights(model, checkpoint.iter_weights(native=True))
     else:
         model.load_weights(source.iter_weights())
     if mode == "int8":
-        from deepinfer.quant.quantized_model import quantize_linears_int8
+        from deepinfer.models.quantized_model import quantize_linears_int8
         quantize_linears_int8(model)
     if mode != "none" and device.type == "cpu":
         from deepinfer.runtime.cpu_quant_linear import install_quant_kernels

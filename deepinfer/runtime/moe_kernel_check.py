@@ -131,10 +131,10 @@ def random_quantized_experts(fmt: str, num_experts: int, hidden: int, inter: int
     return QuantizedMoEExperts(gate_up, down, inter)
 
 
-def quant_mismatch(kernel, quant_kernel) -> str | None:
-    """First disagreement with QuantizedMoEExperts' torch path on `quant_kernel`, or None."""
-    from deepinfer.runtime.cpu_moe_kernel import attach_quantized
-
+def quant_mismatch(kernel, quant_kernel, attach_quantized) -> str | None:
+    """First disagreement with QuantizedMoEExperts' torch path on `quant_kernel`, or None.
+    `attach_quantized(experts, kernel)` is the loader's own (passed in: that module imports
+    this one)."""
     gen = torch.Generator().manual_seed(1)
     for fmt, hidden, inter in _QUANT_SHAPES:
         experts = random_quantized_experts(fmt, 6, hidden, inter, gen, quant_kernel)

@@ -28,7 +28,7 @@ from deepinfer.core.cost_model import ChunkShape, CostModel, StepSample
 from deepinfer.core.model_shape import ModelShape
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.sim.perturbation import repeat_cv
+from deepinfer.core.timing_stats import repeat_cv
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from deepinfer.core.scheduler_output import ScheduledRequest, TokenLogprobs
-from deepinfer.engine.step_faults import RequestFault
+from deepinfer.core.request_fault import RequestFault
 from deepinfer.sampling_params import LOGPROBS_MODES, SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from deepinfer.core.scheduler_output import TokenLogprobs
-from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
 from deepinfer.server.admission import Admission, AdmissionGate
 from deepinfer.server.errors import APIError, bad_request

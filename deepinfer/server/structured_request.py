@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-from deepinfer.sampling_params import InvalidParameter
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.server.errors import bad_request
 from deepinfer.structured.grammars import build_grammar
 from deepinfer.structured.params import StructuredOutputsParams, canonical_schema

@@ -27,7 +27,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from deepinfer.sampling_params import InvalidParameter
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured import llguidance_grammar as llg
 from deepinfer.structured.params import StructuredOutputsParams
 from deepinfer.structured.schema_features import has_lookaround, unenforced_by_xgrammar

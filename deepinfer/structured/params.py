@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from deepinfer.invalid_parameter import InvalidParameter
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -25,20 +27,16 @@ class StructuredOutputsParams:
             try:
                 self.json = canonical_schema(self.json)
             except ValueError:
-                from deepinfer.sampling_params import InvalidParameter
                 raise InvalidParameter("structured_outputs",
                                        "json must be a JSON schema (JSON text or an object)") from None
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)):  # list("ab") would be ["a", "b"]
-                from deepinfer.sampling_params import InvalidParameter
                 raise InvalidParameter("structured_outputs",
                                        "choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
         self._validate()
 
     def _validate(self) -> None:
-        from deepinfer.sampling_params import InvalidParameter  # (it imports this module)
-
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise InvalidParameter("structured_outputs", "structured outputs take exactly one of "

@@ -17,7 +17,8 @@ import msgspec
 
 from deepinfer.core.scheduler_output import Logprob, TokenLogprobs
 from deepinfer.wire.mm_inputs import MultiModalInputs
-from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.wire.tokenizer_files import TokenizerFiles
 
 # --- front -> engine ---------------------------------------------------------------------------

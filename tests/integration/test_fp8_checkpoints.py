@@ -14,7 +14,7 @@ import torch
 
 from deepinfer.quant.fused_quantized import QuantizedMoEExperts
 from deepinfer.quant.quantized_linear import QuantizedLinear
-from deepinfer.quant.quantized_model import weight_bytes_by_format
+from deepinfer.models.quantized_model import weight_bytes_by_format
 from deepinfer.runtime.model_source import load_model, resolve_model
 from tests.integration.engine_checks import generate_checked, token_prompts
 from tests.integration.fp8_checkpoints import FP8_KINDS, fp8_hf_model, write_fp8_pair

@@ -323,13 +323,14 @@ def test_sixteen_way_decode_on_kernel_equals_torch_path(kernel, checkpoints, kin
 def test_self_test_catches_a_wrong_kernel(kernel, monkeypatch):
     """A kernel that computes the wrong experts fails the load-time check (bf16 and quantized)."""
     from deepinfer.runtime import moe_kernel_check as check
+    from deepinfer.runtime.cpu_moe_kernel import attach_quantized
 
     bf16, quantized = kernel.bf16, kernel.quantized
     monkeypatch.setattr(kernel, "bf16", lambda x, w, ids, gu, dn: bf16(x, w, (ids + 1) % gu.shape[0], gu, dn))
     monkeypatch.setattr(kernel, "quantized", lambda x, w, ids, descs, inter: quantized(
         x, w, (ids + 1) % descs.shape[0], descs, inter))
     assert check.bf16_mismatch(kernel) is not None
-    assert check.quant_mismatch(kernel, load_quant_linear()) is not None
+    assert check.quant_mismatch(kernel, load_quant_linear(), attach_quantized) is not None
 
 
 def test_disagreeing_kernel_leaves_the_torch_path_with_a_warning(kernel, monkeypatch, caplog):

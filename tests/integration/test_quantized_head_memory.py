@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from deepinfer.quant.quantized_model import weight_bytes_by_format
+from deepinfer.models.quantized_model import weight_bytes_by_format
 from deepinfer.runtime import cpu_linear_packing
 from deepinfer.runtime.cpu_small_batch_linear import load_small_batch_linear
 from deepinfer.runtime.model_source import load_model, resolve_model

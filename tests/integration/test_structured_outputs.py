@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from deepinfer import SamplingParams
-from deepinfer.sampling_params import InvalidParameter
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured.params import StructuredOutputsParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

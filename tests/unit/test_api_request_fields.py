@@ -247,7 +247,8 @@ SAMPLING_ERRORS = [
 @pytest.mark.parametrize("fields,param", SAMPLING_ERRORS,
                          ids=[f"{p}-{i}" for i, (_, p) in enumerate(SAMPLING_ERRORS)])
 def test_every_sampling_params_error_names_its_field(fields, param):
-    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    from deepinfer.invalid_parameter import InvalidParameter
+    from deepinfer.sampling_params import SamplingParams
     with pytest.raises(InvalidParameter) as e:
         SamplingParams(**fields)
     assert e.value.param == param
@@ -261,7 +262,7 @@ class _Reworded:
         self.param = param
 
     def __call__(self, **kwargs):
-        from deepinfer.sampling_params import InvalidParameter
+        from deepinfer.invalid_parameter import InvalidParameter
         raise InvalidParameter(self.param, "a value out of range (reworded)")
 
 
@@ -281,7 +282,8 @@ def test_chat_names_its_own_field_for_logprobs(chat, monkeypatch):
 
 def test_engine_loop_sends_the_rejected_field():
     """The engine process's rejection carries InvalidParameter.param over the wire."""
-    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    from deepinfer.invalid_parameter import InvalidParameter
+    from deepinfer.sampling_params import SamplingParams
     from deepinfer.cluster.engine_proc import EngineLoop
     from deepinfer.wire.engine_messages import (AddRequest, EngineOutputs, make_encoder,
                                            make_engine_decoder, rejection_error)
@@ -317,7 +319,8 @@ def test_engine_context_check_names_max_tokens():
     """The engine's own prompt + max_tokens check (a worker whose context is shorter than the
     front's) names max_tokens, not the prompt."""
     from deepinfer.engine.request_checks import resolve_max_tokens
-    from deepinfer.sampling_params import InvalidParameter, SamplingParams
+    from deepinfer.invalid_parameter import InvalidParameter
+    from deepinfer.sampling_params import SamplingParams
     with pytest.raises(InvalidParameter) as e:
         resolve_max_tokens(SamplingParams(max_tokens=8), 5, max_model_len=10)
     assert e.value.param == "max_tokens" and "maximum context length of 10" in str(e.value)

@@ -8,7 +8,8 @@ import pytest
 from deepinfer.core.kv_cache_manager import KVCacheManager
 from deepinfer.core.prefix_hash import ROOT_HASH, hash_block_tokens, hash_request_blocks
 from deepinfer.core.request import Request
-from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.protocol import CompletionRequest
 from tests.unit.test_api_request_fields import make, prepare_completion
 

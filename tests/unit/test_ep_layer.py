@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepinfer.models.moe_config import MoEConfig
+from deepinfer.moe.moe_config import MoEConfig
 from deepinfer.moe.dispatch import LocalDispatcher
 from deepinfer.moe.ep_experts import ExpertParallelExperts
 from deepinfer.moe.eplb import placement_from_phy2log

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepinfer.models.moe_config import MoEConfig
+from deepinfer.moe.moe_config import MoEConfig
 from deepinfer.moe.expert_parallel import ExpertParallelRuntime
 from deepinfer.moe.layer import SparseMoEBlock
 

@@ -10,7 +10,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.core.scheduler_output import ScheduledRequest
-from deepinfer.engine.step_faults import RequestFault
+from deepinfer.core.request_fault import RequestFault
 from deepinfer.runtime.grammar_mask import GrammarMasker
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured import llguidance_grammar

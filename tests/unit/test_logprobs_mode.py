@@ -159,7 +159,7 @@ def test_speculation_reports_what_plain_decoding_does(mode, params):
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_the_flag_reaches_the_engine_config(command):
-    from deepinfer.cli.engine_args import engine_config_from_args
+    from deepinfer.engine.engine_args import engine_config_from_args
     from deepinfer.cli.main import build_parser
     extra = ["hi"] if command == "generate" else []
     args = build_parser().parse_args([command, *extra])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deepinfer.models.moe_config import MoEConfig, moe_config_from_hf
+from deepinfer.moe.moe_config import MoEConfig, moe_config_from_hf
 from deepinfer.moe.layer import MoEExperts, naive_expert_loop
 from deepinfer.moe.routing import select_experts
 

@@ -148,7 +148,7 @@ def test_store_publish_is_cpu_seconds_per_byte_of_the_prompts_blocks():
 
 @pytest.mark.slow  # starts processes
 def test_host_sharing_table_starts_at_one_process_alone():
-    from deepinfer.runtime.host_contention import measure_host_sharing
+    from deepinfer.bench.host_contention import measure_host_sharing
     sharing = measure_host_sharing(max_procs=2, duration_s=0.2, size=64)
     assert sharing["speed"][0] == 1.0 and len(sharing["speed"]) == 2
     assert sharing["speed"][1] > 0

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # A listed name that does not exist fails.
 PURE_PACKAGES = ("deepinfer.core", "deepinfer.routing", "deepinfer.sim")
-PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.moe.eplb", "deepinfer.moe.eplb_config",
+PURE_SINGLE_MODULES = ("deepinfer.sampling_params", "deepinfer.invalid_parameter", "deepinfer.moe.eplb", "deepinfer.moe.eplb_config",
+                       "deepinfer.moe.moe_config", "deepinfer.models.mla_config",
                        "deepinfer.moe.expert_moves", "deepinfer.moe.load_recorder",
                        "deepinfer.spec.spec_config", "deepinfer.spec.drafter",
                        "deepinfer.spec.ngram", "deepinfer.spec.draft_backoff")

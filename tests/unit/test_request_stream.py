@@ -8,7 +8,7 @@ import pytest
 from deepinfer.clients.disagg_track import _worker_error
 from deepinfer.clients.request_stream import StreamFailed, check_new_stream, engine_error
 from deepinfer.engine.exceptions import EngineDeadError, RequestFailedError
-from deepinfer.sampling_params import InvalidParameter
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.wire.engine_messages import RequestError
 
 

@@ -166,7 +166,7 @@ def test_unresolved_bad_words_are_an_error_not_ignored():
 def test_a_row_whose_options_mask_every_token_fails_that_request_not_token_0():
     """allowed_token_ids all banned by bad_words: before, argmax of an all -inf row gave
     token 0 (excluded by the request) with no error."""
-    from deepinfer.engine.step_faults import RequestFault
+    from deepinfer.core.request_fault import RequestFault
 
     banned = SamplingParams(temperature=0.0, allowed_token_ids=[5, 6],
                             bad_words=["x", "y"], bad_words_token_ids=[[5], [6]])

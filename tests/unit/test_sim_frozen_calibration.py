@@ -11,8 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.sim_frozen_calibration import (derived_terms, host_cpu_with_derived,  # noqa: E402
-                                               load_frozen)
+from benchmarks.sim_frozen_calibration import derived_terms  # noqa: E402
+from benchmarks.sim_frozen_files import host_cpu_with_derived, load_frozen  # noqa: E402
 
 FROZEN = ROOT / "benchmarks" / "sim" / "calibration" / "cpu_smollm2_1thread.json"
 

@@ -146,7 +146,7 @@ def test_measure_memory_contention_restores_affinity_and_threads(make_engine_llm
 
     import torch
 
-    from deepinfer.runtime.host_contention import measure_memory_contention
+    from deepinfer.bench.host_contention import measure_memory_contention
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")

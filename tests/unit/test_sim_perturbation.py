@@ -12,8 +12,9 @@ import pytest
 
 from deepinfer.bench.workloads import WorkloadConfig, build_workload
 from deepinfer.sim import ClusterSimulator, cluster_from_dict, simulate_workload, to_bench_json
+from deepinfer.core.timing_stats import repeat_cv
 from deepinfer.sim.perturbation import (DEFAULT_ARRIVAL_JITTER_MS, NoiseSpec, StepNoise,
-                                        jitter_arrivals, repeat_cv)
+                                        jitter_arrivals)
 from deepinfer.sim.sampling import band, sample_runs, samples_report, summary_metrics
 from tests.unit.test_sim_simulator import PD, PROFILE
 

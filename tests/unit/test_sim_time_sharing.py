@@ -152,7 +152,7 @@ def test_measure_time_sharing_restores_affinity_and_threads(make_engine_llm):
 
     import torch
 
-    from deepinfer.runtime.host_contention import measure_time_sharing
+    from deepinfer.bench.host_contention import measure_time_sharing
 
     llm = make_engine_llm(num_kv_blocks=128)
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from deepinfer.engine.step_faults import DebugStepFault, RequestFault, pin_step_fault
+from deepinfer.core.request_fault import RequestFault
+from deepinfer.engine.step_faults import DebugStepFault, pin_step_fault
 from deepinfer.sampling_params import SamplingParams
 
 

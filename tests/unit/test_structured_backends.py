@@ -10,7 +10,7 @@ import llguidance
 import pytest
 from xgrammar.testing import _is_grammar_accept_string as xgrammar_accepts
 
-from deepinfer.sampling_params import InvalidParameter
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured.grammars import build_grammar
 from deepinfer.structured.llguidance_grammar import LLGuidanceMatcher
 from deepinfer.structured.params import StructuredOutputsParams

@@ -9,7 +9,9 @@ import json
 import msgspec
 import pytest
 
-from deepinfer.sampling_params import InvalidParameter, SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
+
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.errors import APIError
 from deepinfer.wire.engine_messages import AddRequest
 from deepinfer.server.serving_chat import OpenAIServingChat
