@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,7 +32,8 @@ from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeIm
                                                EncodeInput, EncodeWorkerReady,
                                                EncodeWorkerReport)
 from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, WorkerFailed
-from deepinfer.cluster.worker_proc import open_worker_process, worker_output_sender
+from deepinfer.cluster.process_shell import Serving, run_process
+from deepinfer.cluster.worker_proc import worker_output_sender
 from deepinfer.engine.engine_config import EngineConfig
 from deepinfer.multimodal.embedding_cache import STORE_TIER, EmbeddingCache
 from deepinfer.multimodal.embedding_store import open_embedding_tier
@@ -297,26 +297,15 @@ class EncodeWorkerLoop:
 def run_encode_worker_proc(spec: EncodeWorkerSpec) -> None:
     """Spawn target. Exits on ShutdownWorker, when the front is gone, or on error (after
     sending `WorkerFailed`)."""
-    ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
-                                                           spec.input_addr, spec.output_addr)
-    encoder = worker_output_sender(spec.output_addr)
-    tier = None
-    try:
+    def build(ctx, input_socket, output_socket) -> Serving:
         model, device, dtype, source = load_image_encoder(spec.engine_config)
         tier = open_embedding_tier(spec.kv_store_url, source)
         worker = EncodeWorker(model, EmbeddingCache(spec.cache_bytes, store=tier), device, dtype,
                               spec.max_batch_images)
-        output_socket.send(encoder.encode(EncodeWorkerReady(spec.worker_id, os.getpid(),
-                                                            embedding_store=tier is not None)))
-        EncodeWorkerLoop(spec, worker, input_socket, output_socket).run()
-    except Exception:
-        message = traceback.format_exc()
-        logger.error("encode worker failed:\n%s", message)
-        output_socket.send(encoder.encode(WorkerFailed(spec.worker_id, message[-4000:])))
-        raise SystemExit(1)
-    finally:
-        if tier is not None:
-            tier.close()
-        input_socket.close(linger=0)
-        output_socket.close()
-        ctx.term()
+        loop = EncodeWorkerLoop(spec, worker, input_socket, output_socket)
+        return Serving(EncodeWorkerReady(spec.worker_id, os.getpid(),
+                                         embedding_store=tier is not None),
+                       loop.run, [tier.close] if tier is not None else [])
+
+    run_process(spec.worker_id, spec.log_level, spec.input_addr, spec.output_addr,
+                "worker.output", build, lambda message: WorkerFailed(spec.worker_id, message))

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
-import traceback
 from dataclasses import dataclass
 
 import zmq
@@ -26,8 +24,9 @@ from deepinfer.wire.engine_messages import (
     EngineStatsSnapshot, FrontMessage, RequestDelta, RequestError, RequestTimes, Shutdown,
 )
 from deepinfer.wire.inbox import drain_messages
-from deepinfer.wire import (PROCESS_DROPS, ChannelReceiver, ChannelSender, channel_name,
-                            tokenizer_to_files)
+from deepinfer.cluster.process_shell import Serving, run_process
+from deepinfer.wire import (PROCESS_DROPS, ChannelReceiver, ChannelSender, TokenizerFiles,
+                            channel_name, tokenizer_to_files)
 
 logger = logging.getLogger(__name__)
 
@@ -228,35 +227,25 @@ class EngineLoop:
 def run_engine_proc(engine_config, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: str = "WARNING") -> None:
     """Spawn target: load the engine, announce readiness, loop until Shutdown or parent exit."""
-    # Ctrl-C reaches the whole process group; the front shuts us down with a Shutdown message.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s engine: %(message)s")
-    ctx = zmq.Context()
-    input_socket = ctx.socket(zmq.PULL)
-    input_socket.connect(input_addr)
-    output_socket = ctx.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)  # unbounded: never block the loop on the front
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_addr)
-    encoder = ChannelSender(channel_name("engine.output", output_addr))
-    try:
+    def build(ctx, input_socket, output_socket) -> Serving:
         from deepinfer.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_config)
         engine.isolate_step_faults = True  # this loop answers take_request_failures()
-        output_socket.send(encoder.encode(EngineReady(
-            model_name=engine.model_name, max_model_len=int(engine.max_model_len),
-            vocab_size=int(engine.model_config.vocab_size),
-            tokenizer_files=tokenizer_to_files(engine.tokenizer))))
-        EngineLoop(engine, input_socket, output_socket, parent_pid,
-                   endpoints=(input_addr, output_addr)).run()
-    except Exception:  # report, then die: the front turns this into 5xx and /health 503
-        message = traceback.format_exc()
-        logger.error("engine failed:\n%s", message)
-        output_socket.send(encoder.encode(EngineDead(message=message[-4000:])))
-        raise SystemExit(1)
-    finally:
-        input_socket.close(linger=0)
-        output_socket.close()
-        ctx.term()
+        loop = EngineLoop(engine, input_socket, output_socket, parent_pid,
+                          endpoints=(input_addr, output_addr))
+        return Serving(engine_ready(engine), loop.run)
+
+    # a death report the front turns into 5xx and /health 503
+    run_process("engine", log_level, input_addr, output_addr, "engine.output", build,
+                lambda message: EngineDead(message=message))
+
+
+def engine_ready(engine, with_tokenizer: bool = True) -> EngineReady:
+    """The message that announces an engine process (an EP rank but the first sends no
+    tokenizer: the front reads it from rank 0)."""
+    return EngineReady(
+        model_name=engine.model_name, max_model_len=int(engine.max_model_len),
+        vocab_size=int(engine.model_config.vocab_size),
+        tokenizer_files=tokenizer_to_files(engine.tokenizer) if with_tokenizer
+        else TokenizerFiles())

@@ -1,22 +1,19 @@
-"""Process entry of one prefill or decode worker: build the engine, announce, loop."""
+"""Process entry of one prefill or decode worker: what it builds and announces, in the one
+worker-process shape (`process_shell.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import signal
 import threading
 import time
-import traceback
 
 import zmq
 
 from deepinfer.wire.worker_messages import WorkerFailed, WorkerHeartbeat, WorkerReady
+from deepinfer.cluster.process_shell import Serving, run_process
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.step_faults import isolate_step_faults
 from deepinfer.wire import ChannelSender, channel_name, tokenizer_to_files
-
-logger = logging.getLogger(__name__)
 
 
 def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
@@ -71,46 +68,31 @@ def worker_output_sender(output_addr: str) -> ChannelSender:
     return ChannelSender(channel_name("worker.output", output_addr))
 
 
-def open_worker_process(worker_id: str, log_level: str, input_addr: str, output_addr: str):
-    """A worker process's common start: SIGINT left to the front (which shuts workers down;
-    a Ray actor runs the loop in a thread, where signals cannot be set), logging tagged with
-    the worker id, and its two sockets -> (context, input PULL, output PUSH)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {worker_id}: %(message)s")
-    ctx = zmq.Context()
-    input_socket = ctx.socket(zmq.PULL)
-    input_socket.connect(input_addr)
-    output_socket = ctx.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)
-    output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_addr)
-    return ctx, input_socket, output_socket
-
-
 def run_worker_proc(spec: WorkerSpec) -> None:
     """Spawn target. Exits on ShutdownWorker, when the front process is gone, or on error
     (after sending `WorkerFailed`)."""
     if spec.cpu_ids is not None:
         from deepinfer.cluster.cpu_affinity import pin_to_cpus
         pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
-    ctx, input_socket, output_socket = open_worker_process(spec.worker_id, spec.log_level,
-                                                           spec.input_addr, spec.output_addr)
-    encoder = worker_output_sender(spec.output_addr)
-    transport = tier = None
-    try:
-        build = _build_prefill if spec.role == "prefill" else _build_decode
-        engine, loop, transport, tier = build(spec, input_socket, output_socket)
-        kv = engine.scheduler.kv
-        output_socket.send(encoder.encode(WorkerReady(
-            worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
-            kv_addr=transport.address or None, model_name=engine.model_name,
-            max_model_len=int(engine.max_model_len),
-            vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
-            num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
-            tokenizer_files=tokenizer_to_files(engine.tokenizer),
-            weights_fingerprint=engine.source.weights_fingerprint())))
+    run_process(spec.worker_id, spec.log_level, spec.input_addr, spec.output_addr,
+                "worker.output", lambda ctx, i, o: _serving(spec, ctx, i, o),
+                lambda message: WorkerFailed(spec.worker_id, message))
+
+
+def _serving(spec: WorkerSpec, ctx: zmq.Context, input_socket, output_socket) -> Serving:
+    build = _build_prefill if spec.role == "prefill" else _build_decode
+    engine, loop, transport, tier = build(spec, input_socket, output_socket)
+    kv = engine.scheduler.kv
+    ready = WorkerReady(
+        worker_id=spec.worker_id, role=spec.role, pid=os.getpid(),
+        kv_addr=transport.address or None, model_name=engine.model_name,
+        max_model_len=int(engine.max_model_len),
+        vocab_size=int(engine.model_config.vocab_size), block_size=kv.block_size,
+        num_kv_blocks=kv.num_blocks, max_num_seqs=engine.scheduler.config.max_num_seqs,
+        tokenizer_files=tokenizer_to_files(engine.tokenizer),
+        weights_fingerprint=engine.source.weights_fingerprint())
+
+    def run() -> None:
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat_thread, args=(spec, ctx, loop, stop),
                                 name="heartbeat", daemon=True)
@@ -120,16 +102,6 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         finally:
             stop.set()
             beat.join(2.0)
-    except Exception:
-        message = traceback.format_exc()
-        logger.error("worker failed:\n%s", message)
-        output_socket.send(encoder.encode(WorkerFailed(spec.worker_id, message[-4000:])))
-        raise SystemExit(1)
-    finally:
-        if tier is not None:
-            tier.close()
-        if transport is not None:
-            transport.close()
-        input_socket.close(linger=0)
-        output_socket.close()
-        ctx.term()
+
+    closers = [c.close for c in (tier, transport) if c is not None]
+    return Serving(ready, run, closers)

@@ -10,18 +10,14 @@ lockstep (rank_loop.RankLoop); without it the rank is an independent engine (Eng
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import traceback
 
 import torch
 
-from deepinfer.cluster.worker_proc import open_worker_process
+from deepinfer.cluster.engine_proc import engine_ready
+from deepinfer.cluster.process_shell import Serving, run_process
 from deepinfer.ep.ep_config import EPConfig
-from deepinfer.wire.engine_messages import EngineDead, EngineReady
-from deepinfer.wire import ChannelSender, TokenizerFiles, channel_name, tokenizer_to_files
-
-logger = logging.getLogger(__name__)
+from deepinfer.wire.engine_messages import EngineDead
 
 
 def rank_device(engine_config, rank: int) -> torch.device:
@@ -85,34 +81,25 @@ def build_rank_engine(engine_config, ep_config: EPConfig, rank: int, port: int |
 def run_rank_proc(engine_config, ep_config: EPConfig, rank: int, port: int | None,
                   input_addr: str, output_addr: str, parent_pid: int | None,
                   log_level: str = "WARNING", master_addr: str = "127.0.0.1") -> None:
-    # SIGINT ignored (the front stops us with Shutdown), log lines tagged, sockets opened.
-    ctx, input_socket, output_socket = open_worker_process(f"rank {rank}", log_level,
-                                                           input_addr, output_addr)
-    encoder = ChannelSender(channel_name("engine.output", output_addr))
-    try:
+    def build(ctx, input_socket, output_socket) -> Serving:
         engine, runtime, group = build_rank_engine(engine_config, ep_config, rank, port,
                                                    master_addr=master_addr)
-        output_socket.send(encoder.encode(EngineReady(
-            model_name=engine.model_name, max_model_len=int(engine.max_model_len),
-            vocab_size=int(engine.model_config.vocab_size),
-            tokenizer_files=tokenizer_to_files(engine.tokenizer) if rank == 0
-            else TokenizerFiles())))
+        endpoints = (input_addr, output_addr)
         if runtime is None:
             from deepinfer.cluster.engine_proc import EngineLoop
-            EngineLoop(engine, input_socket, output_socket, parent_pid,
-                       endpoints=(input_addr, output_addr)).run()
+            run = EngineLoop(engine, input_socket, output_socket, parent_pid,
+                             endpoints=endpoints).run
         else:
             from deepinfer.ep.rank_loop import RankLoop
-            RankLoop(engine, runtime, group, input_socket, output_socket, parent_pid,
-                     endpoints=(input_addr, output_addr)).run()
-            from deepinfer.ep.process_group import destroy_rank_group
-            destroy_rank_group()  # only on a clean exit: with a dead peer it could wait
-    except Exception:  # report, then die: the front takes the group out of routing
-        message = traceback.format_exc()
-        logger.error("rank %d failed:\n%s", rank, message)
-        output_socket.send(encoder.encode(EngineDead(message=message[-4000:])))
-        raise SystemExit(1)
-    finally:
-        input_socket.close(linger=0)
-        output_socket.close()
-        ctx.term()
+            loop = RankLoop(engine, runtime, group, input_socket, output_socket, parent_pid,
+                            endpoints=endpoints)
+
+            def run() -> None:
+                loop.run()
+                from deepinfer.ep.process_group import destroy_rank_group
+                destroy_rank_group()  # only on a clean exit: with a dead peer it could wait
+        return Serving(engine_ready(engine, with_tokenizer=rank == 0), run)
+
+    # a death report takes the group out of routing at the front
+    run_process(f"rank {rank}", log_level, input_addr, output_addr, "engine.output", build,
+                lambda message: EngineDead(message=message))
