@@ -19,12 +19,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# redis-server for the shared-prefix-store tests; tests start and stop it themselves.
+# redis-server for the shared-prefix-store tests (they start and stop it themselves);
+# iptables for the network-namespace cut tests (this kernel's tc has no drop action).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "warning: could not install redis-server"; \
 	  else echo "warning: redis-server missing (apt-get install redis-server)"; fi; }
+	@command -v iptables >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq iptables >/dev/null) || echo "warning: could not install iptables"; \
+	  else echo "warning: iptables missing (apt-get install iptables)"; fi; }
 
 run: install
 	$(BIN)/deepinfer serve --demo

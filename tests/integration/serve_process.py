@@ -36,18 +36,26 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`deepinfer serve ARGS --port <free>`; `wait_ready()` blocks until /health is 200."""
+    """`deepinfer serve ARGS --port <free>`; `wait_ready()` blocks until /health is 200.
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    `prefix` runs the command under another (e.g. `ip netns exec NS`) and `host`/`port` are
+    where the server listens and is reached (the caller then passes `--host HOST` in ARGS when
+    it is not 127.0.0.1; `port` defaults to a free one of this namespace)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 prefix: list[str] | tuple[str, ...] = (), host: str = "127.0.0.1",
+                 port: int | None = None) -> None:
+        self.host = host
+        self.port = port if port is not None else free_port()
+        self.url = f"http://{host}:{self.port}"
         script = Path(sys.executable).with_name("deepinfer")
         command = ([str(script)] if script.exists()
                    else [sys.executable, "-m", "deepinfer.cli.main"])
         self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-serve-", suffix=".log")
         self.proc = subprocess.Popen(
-            command + ["serve", "--port", str(self.port), *args], stdin=subprocess.DEVNULL,
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            [*prefix, *command, "serve", "--port", str(self.port), *args],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})})
 
     def output(self) -> str:
         self.log.flush()
