@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xgrammar as xgr
 from torch import Tensor
 
@@ -41,6 +42,12 @@ class GrammarMasker:
     def __init__(self, cache: GrammarCache) -> None:
         self.cache = cache
         self._tracked: dict[str, _Tracked] = {}
+        self._bitmask: Tensor | None = None  # host rows reused step to step (_bitmask_rows)
+        self._stop_index: dict[tuple, Tensor] = {}  # (stop ids, V, device) -> ids to keep
+        # Work counters (tests, profiles): matcher fills, rows past the end, host bitmasks made.
+        self.num_fills = 0
+        self.num_stop_rows = 0
+        self.num_bitmask_allocations = 0
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -50,28 +57,62 @@ class GrammarMasker:
             self._tracked.pop(request_id, None)
 
     def apply(self, logits: Tensor, rows: list[ScheduledRequest]) -> None:
-        """Mask, in place, the logits [N, V] of the rows with structured outputs."""
+        """Mask, in place, the logits [N, V] of the rows with structured outputs: one bitmask
+        kernel over the rows inside their grammar, and for the rows past its end (ignore_eos:
+        stop tokens only, no matcher to ask) one fill of all of them at once."""
         index = [i for i, r in enumerate(rows) if r.sampling_params.structured_outputs is not None]
         if not index:
             return
         vocab = logits.shape[1]
-        bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # all allowed
-        only_stop = []
+        bitmask = None
+        live: list[int] = []
+        past_end: dict[tuple, list[int]] = {}  # stop ids -> rows
         for i in index:
             matcher = self._synced(rows[i])
             if matcher is None:  # after a draft the grammar refuses: the row is discarded
                 continue
-            if matcher.is_terminated():  # past the grammar's end (ignore_eos): stop tokens only
-                only_stop.append(i)
-            else:
-                matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
-                                        indices=index)
-        for i in only_stop:
-            keep = [t for t in rows[i].eos_token_ids if t < vocab]
-            kept = logits[i, keep].clone()
-            logits[i].fill_(float("-inf"))
-            logits[i, keep] = kept
+            if matcher.is_terminated():
+                past_end.setdefault(tuple(rows[i].eos_token_ids), []).append(i)
+                continue
+            if bitmask is None:
+                bitmask = self._bitmask_rows(len(rows), vocab, logits.device)
+            matcher.fill_next_token_bitmask(bitmask, i)  # the whole row: nothing stale stays
+            live.append(i)
+        self.num_fills += len(live)
+        if live:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
+                                            indices=live)
+        for stop_ids, stop_rows in past_end.items():
+            self._keep_only(logits, stop_rows, stop_ids)
+            self.num_stop_rows += len(stop_rows)
+
+    def _keep_only(self, logits: Tensor, row_ids: list[int], stop_ids: tuple) -> None:
+        """Rows `row_ids` of `logits` to -inf but at the stop tokens below V (kept as they
+        are): three ops for all the rows, whatever their number."""
+        device, vocab = logits.device, logits.shape[1]
+        key = (stop_ids, vocab, device)
+        keep = self._stop_index.get(key)
+        if keep is None:
+            keep = torch.tensor(sorted({t for t in stop_ids if 0 <= t < vocab}),
+                                dtype=torch.long, device=device)
+            self._stop_index[key] = keep
+        rows_t = torch.tensor(row_ids, dtype=torch.long, device=device)
+        kept = logits[rows_t.unsqueeze(1), keep]  # [rows, stop ids]
+        logits.index_fill_(0, rows_t, float("-inf"))
+        logits[rows_t.unsqueeze(1), keep] = kept
+
+    def _bitmask_rows(self, num_rows: int, vocab: int, device) -> Tensor:
+        """The first `num_rows` rows of a host bitmask kept across steps (grown, never
+        shrunk; pinned for a CUDA step so the copy up is a direct one)."""
+        words = (vocab + 31) // 32
+        buf = self._bitmask
+        if buf is None or buf.shape[1] != words or buf.shape[0] < num_rows:
+            rows = max(num_rows, 0 if buf is None or buf.shape[1] != words else 2 * buf.shape[0])
+            buf = torch.empty(rows, words, dtype=torch.int32,
+                              pin_memory=device.type == "cuda")
+            self._bitmask = buf
+            self.num_bitmask_allocations += 1
+        return buf[:num_rows]
 
     def _synced(self, r: ScheduledRequest) -> Any | None:
         spec = r.sampling_params.structured_outputs

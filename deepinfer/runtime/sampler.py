@@ -140,10 +140,9 @@ class Sampler:
             raise RequestFault(sorted({r.request_id for r in rows
                                        if r.sampling_params.structured_outputs is not None}),
                                "structured outputs are not available in this engine")
-        if any(r.sampling_params.processes_logits for r in rows):
-            for i, r in enumerate(rows):
-                if r.sampling_params.processes_logits:
-                    apply_logit_processing(logits[i], r)
+        for i, r in enumerate(rows):  # a grammar-only row has nothing more to process
+            if r.sampling_params.allowed_token_ids is not None or r.sampling_params.logit_bias:
+                apply_logit_processing(logits[i], r)
         Sampler.mask_min_tokens(logits, rows)
         if any(r.sampling_params.uses_history for r in rows):
             for i, r in enumerate(rows):
@@ -246,8 +245,14 @@ def check_not_all_masked(logits: Tensor, rows: list[ScheduledRequest]) -> None:
               if r.sampling_params.processes_logits or r.sampling_params.min_tokens > 0]
     if not masked:
         return
-    index = torch.tensor(masked, dtype=torch.long, device=logits.device)
-    empty = torch.isneginf(logits.index_select(0, index)).all(dim=-1).tolist()
+    # A row is all -inf exactly when its maximum is -inf (a NaN maximum is not): one
+    # vectorised read of the rows, no copy of them and no [rows, V] bool tensor.
+    if 2 * len(masked) >= len(rows):
+        row_max = logits.amax(dim=-1)[torch.tensor(masked, dtype=torch.long, device=logits.device)]
+    else:
+        index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+        row_max = logits.index_select(0, index).amax(dim=-1)
+    empty = torch.isneginf(row_max).tolist()
     culprits = sorted({rows[i].request_id for i, e in zip(masked, empty) if e})
     if culprits:
         raise RequestFault(culprits, "every token is excluded by this request's sampling "
