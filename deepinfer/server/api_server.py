@@ -32,6 +32,7 @@ from deepinfer.server.protocol import (
 from deepinfer.server.prepare_pool import PreparePool
 from deepinfer.server.request_limits import (RequestLimits, check_request,
                                               default_max_connections)
+from deepinfer.server.request_schema import with_served_model
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.server.serving_tokenize import (
@@ -112,8 +113,9 @@ def _error_responses() -> dict:
     return {code: {"model": ErrorResponse, "description": text} for code, text in doc.items()}
 
 
-def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
-    """FastAPI's schema plus the request models named by `_documented_body`."""
+def _openapi_with_bodies(app: FastAPI, body_models: list, vocab_size: int) -> dict:
+    """FastAPI's schema plus the request models named by `_documented_body`, with the served
+    model's token id range."""
     from fastapi.openapi.utils import get_openapi
 
     if app.openapi_schema is None:
@@ -123,7 +125,7 @@ def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
             model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(model_schema.pop("$defs", {}))
             components[model.__name__] = model_schema
-        app.openapi_schema = schema
+        app.openapi_schema = with_served_model(schema, vocab_size)
     return app.openapi_schema
 
 
@@ -273,7 +275,8 @@ def build_app(client, config: ServerConfig) -> FastAPI:
         add_admin_off_routes(app)
 
     app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest,
-                                                     TokenizeCompletionRequest, DetokenizeRequest])
+                                                     TokenizeCompletionRequest, DetokenizeRequest],
+                                              client.vocab_size)
     return app
 
 
