@@ -104,7 +104,13 @@ _EVENT_STREAM = {"text/event-stream": {"schema": {
 
 
 def _error_responses() -> dict:
-    doc = {400: "Invalid request", 401: "Missing or wrong API key",
+    doc = {400: "Invalid request: a body the schema forbids, or one breaking a rule it cannot "
+                "state: the prompt (plus max_tokens) over the model's context, fields that "
+                "need or exclude each other (stream_options and stream, best_of and n, "
+                "min_tokens and max_tokens, ...), a feature the model or deployment lacks "
+                "(FIM tokens, a tool parser, prompt log-probs), or a structured-output spec "
+                "or tool schema its compiler refuses",
+           401: "Missing or wrong API key",
            404: "The model named in the request is not served here",
            413: "Request body over --max-request-body-bytes",
            429: "Too many waiting or concurrent requests (see Retry-After)",

@@ -123,7 +123,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None  # not blank
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
-    truncate_prompt_tokens: integer(ge=-1) | None = None
+    truncate_prompt_tokens: integer(ge=-1, json_schema_extra={"not": {"const": 0}}) | None = None
     # Structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -222,12 +222,27 @@ _MESSAGE_SCHEMA = {
                                "text": {"type": "string"}}}},
             {"type": "null"}]},
         "name": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "tool_call_id": {"type": "string", "minLength": 1}},
+        "tool_call_id": {"type": "string"}},
     # a tool result names the call it answers
     "anyOf": [{"properties": {"role": {"enum": [r for r in CHAT_ROLES if r != "tool"]}}},
-              {"properties": {"role": {"const": "tool"}}, "required": ["tool_call_id"]}],
+              {"properties": {"role": {"const": "tool"},
+                              "tool_call_id": {"minLength": 1}}, "required": ["tool_call_id"]}],
 }
 
+
+# What server/tool_calling.checked_tools accepts as one tool, as far as a schema can say.
+_TOOL_SCHEMA = {
+    "required": ["function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.\-]{1,64}$"},
+            "description": {"type": "string"}, "parameters": {"type": "object"}}}},
+}
+
+_TOOL_CHOICE_SCHEMA = {"required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
 
 # Template variables a request's chat_template_kwargs may not set (the server sets them).
 RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "tokenize",
@@ -244,8 +259,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # Tool calling (server/tool_calling.py); tool_choice: "none" | "auto" | "required" |
     # {"type": "function", "function": {"name": ...}}
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Annotated[dict[str, Any], Field(json_schema_extra=_TOOL_SCHEMA)]] | None = None
+    tool_choice: Annotated[str, Field(json_schema_extra={"enum": ["none", "auto", "required"]})] \
+        | Annotated[dict[str, Any], Field(json_schema_extra=_TOOL_CHOICE_SCHEMA)] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: Annotated[dict[str, Any], Field(json_schema_extra={  # template vars
         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_VARS)}}})] | None = None
