@@ -90,6 +90,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 # `add_special_tokens` and `prompt_logprobs` are checked by the endpoint.)
 
 
+_NOT_ZERO = {"not": {"const": 0}}
+
+
 class _SamplingFields(BaseModel):
     """Sampling options shared by both endpoints (OpenAI names, then vLLM extensions)."""
 
@@ -123,7 +126,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None  # not blank
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
-    truncate_prompt_tokens: integer(ge=-1, json_schema_extra={"not": {"const": 0}}) | None = None
+    truncate_prompt_tokens: integer(ge=-1, json_schema_extra=_NOT_ZERO) | None = None
     # Structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
