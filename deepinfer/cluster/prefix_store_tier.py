@@ -132,10 +132,10 @@ class SharedPrefixTier:
                 num_queued += 1
         return num_queued
 
-    def load_prefix(self, token_ids: list[int]) -> PrefixLoad:
+    def load_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixLoad:
         """Bring the prompt's store-cached blocks (after its device-cached ones) into free
         device blocks. At least one token is left to compute, as in `find_prefix`."""
-        hashes = self.block_hashes(token_ids)[:(len(token_ids) - 1) // self.kv.block_size]
+        hashes = self.usable_hashes(token_ids, cache_salt=cache_salt)
 
         def fetch(block_hash: bytes) -> bytes | None:
             payload = self.store.get(block_hash)
@@ -150,11 +150,12 @@ class SharedPrefixTier:
         load = self.kv.load_prefix_blocks(hashes, fetch, write)
         return PrefixLoad(load.num_device_blocks, load.num_loaded_blocks)
 
-    def write_through(self, token_ids: list[int], kv: torch.Tensor) -> int:
+    def write_through(self, token_ids: list[int], kv: torch.Tensor,
+                      cache_salt: str | None = None) -> int:
         """Queue the prompt's full blocks not yet known to be stored; returns blocks queued.
 
         `kv`: `cache.read_blocks` of the prompt's blocks (a copy, not mutated)."""
-        return self.publish(self.block_hashes(token_ids), kv)
+        return self.publish(self.block_hashes(token_ids, cache_salt=cache_salt), kv)
 
     def _remember(self, block_hash: bytes) -> None:
         self._known[block_hash] = None

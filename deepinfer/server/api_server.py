@@ -32,6 +32,7 @@ from deepinfer.server.protocol import (
 from deepinfer.server.prepare_pool import PreparePool
 from deepinfer.server.request_limits import (RequestLimits, check_request,
                                               default_max_connections)
+from deepinfer.server.request_schema import with_served_model
 from deepinfer.server.serving_chat import OpenAIServingChat
 from deepinfer.server.serving_completion import OpenAIServingCompletion
 from deepinfer.server.serving_tokenize import (
@@ -103,7 +104,13 @@ _EVENT_STREAM = {"text/event-stream": {"schema": {
 
 
 def _error_responses() -> dict:
-    doc = {400: "Invalid request", 401: "Missing or wrong API key",
+    doc = {400: "Invalid request: a body the schema forbids, or one breaking a rule it cannot "
+                "state: the prompt (plus max_tokens) over the model's context, fields that "
+                "need or exclude each other (stream_options and stream, best_of and n, "
+                "min_tokens and max_tokens, ...), a feature the model or deployment lacks "
+                "(FIM tokens, a tool parser, prompt log-probs), or a structured-output spec "
+                "or tool schema its compiler refuses",
+           401: "Missing or wrong API key",
            404: "The model named in the request is not served here",
            413: "Request body over --max-request-body-bytes",
            429: "Too many waiting or concurrent requests (see Retry-After)",
@@ -112,8 +119,9 @@ def _error_responses() -> dict:
     return {code: {"model": ErrorResponse, "description": text} for code, text in doc.items()}
 
 
-def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
-    """FastAPI's schema plus the request models named by `_documented_body`."""
+def _openapi_with_bodies(app: FastAPI, body_models: list, vocab_size: int) -> dict:
+    """FastAPI's schema plus the request models named by `_documented_body`, with the served
+    model's token id range."""
     from fastapi.openapi.utils import get_openapi
 
     if app.openapi_schema is None:
@@ -123,7 +131,7 @@ def _openapi_with_bodies(app: FastAPI, body_models: list) -> dict:
             model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(model_schema.pop("$defs", {}))
             components[model.__name__] = model_schema
-        app.openapi_schema = schema
+        app.openapi_schema = with_served_model(schema, vocab_size)
     return app.openapi_schema
 
 
@@ -273,7 +281,8 @@ def build_app(client, config: ServerConfig) -> FastAPI:
         add_admin_off_routes(app)
 
     app.openapi = lambda: _openapi_with_bodies(app, [CompletionRequest, ChatCompletionRequest,
-                                                     TokenizeCompletionRequest, DetokenizeRequest])
+                                                     TokenizeCompletionRequest, DetokenizeRequest],
+                                              client.vocab_size)
     return app
 
 

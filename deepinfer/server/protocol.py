@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deepinfer.server.request_schema import TOKEN_ID_KEYS_MARK, Int, TokenId, integer
 
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1  # what the engine messages carry
@@ -88,46 +90,51 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 # `add_special_tokens` and `prompt_logprobs` are checked by the endpoint.)
 
 
+_NOT_ZERO = {"not": {"const": 0}}
+
+
 class _SamplingFields(BaseModel):
     """Sampling options shared by both endpoints (OpenAI names, then vLLM extensions)."""
 
     model_config = STRICT_REQUEST
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: integer(ge=1, le=128) = 1
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    seed: integer(ge=INT64_MIN, le=INT64_MAX) | None = None
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(json_schema_extra={TOKEN_ID_KEYS_MARK: True})] | None = None
     user: str | None = None
     # vLLM: only requests with the same salt share prefix-cache blocks (tenant isolation).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: integer(ge=-1) | None = None  # -1 or 0: disabled
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: integer(ge=0) = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None  # not blank
     # Keep only the prompt's last k tokens (-1: as many as the context allows; vLLM).
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: integer(ge=-1, json_schema_extra=_NOT_ZERO) | None = None
     # Structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None,
+                                                                            min_length=1)
     guided_grammar: str | None = None
 
 
@@ -148,14 +155,14 @@ def _non_empty_prompt(schema: dict) -> None:
 
 class CompletionRequest(_SamplingFields):
     # Empty prompts are refused by the serving code (with its own message); the schema says so.
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         json_schema_extra=lambda schema: _non_empty_prompt(schema))
-    max_tokens: int | None = Field(default=16, ge=0)  # 0: echo only
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM
+    max_tokens: integer(ge=0) | None = 16  # 0: echo only
+    logprobs: integer(ge=0, le=20) | None = None
+    prompt_logprobs: integer(ge=0, le=20) | None = None  # vLLM
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
 
 
@@ -221,24 +228,46 @@ _MESSAGE_SCHEMA = {
         "tool_call_id": {"type": "string"}},
     # a tool result names the call it answers
     "anyOf": [{"properties": {"role": {"enum": [r for r in CHAT_ROLES if r != "tool"]}}},
-              {"properties": {"role": {"const": "tool"}}, "required": ["tool_call_id"]}],
+              {"properties": {"role": {"const": "tool"},
+                              "tool_call_id": {"minLength": 1}}, "required": ["tool_call_id"]}],
 }
+
+
+# What server/tool_calling.checked_tools accepts as one tool, as far as a schema can say.
+_TOOL_SCHEMA = {
+    "required": ["function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.\-]{1,64}$"},
+            "description": {"type": "string"}, "parameters": {"type": "object"}}}},
+}
+
+_TOOL_CHOICE_SCHEMA = {"required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+
+# Template variables a request's chat_template_kwargs may not set (the server sets them).
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "tokenize",
+                          "chat_template", "continue_final_message", "return_dict")
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1,
                                            json_schema_extra={"items": _MESSAGE_SCHEMA})
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: integer(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     # Tool calling (server/tool_calling.py); tool_choice: "none" | "auto" | "required" |
     # {"type": "function", "function": {"name": ...}}
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Annotated[dict[str, Any], Field(json_schema_extra=_TOOL_SCHEMA)]] | None = None
+    tool_choice: Annotated[str, Field(json_schema_extra={"enum": ["none", "auto", "required"]})] \
+        | Annotated[dict[str, Any], Field(json_schema_extra=_TOOL_CHOICE_SCHEMA)] | None = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    chat_template_kwargs: Annotated[dict[str, Any], Field(json_schema_extra={  # template vars
+        "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_VARS)}}})] | None = None
     # Continue the last (assistant) message instead of opening a new turn (vLLM); DeepSeek's
     # spelling is `"prefix": true` on that message.
     continue_final_message: bool = False

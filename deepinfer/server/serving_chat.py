@@ -11,7 +11,7 @@ from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatTokenLogprob,
-    CHAT_ROLES, ChatTopLogprob, DeltaMessage, random_id,
+    CHAT_ROLES, ChatTopLogprob, DeltaMessage, RESERVED_TEMPLATE_VARS, random_id,
 )
 from deepinfer.server.reasoning_parsers import REASONING_PARSERS
 from deepinfer.server.serving_base import (
@@ -60,9 +60,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# Template variables a request's chat_template_kwargs may not set (the server sets them).
-_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "tokenize",
-                           "chat_template", "continue_final_message", "return_dict"}
+_RESERVED_TEMPLATE_VARS = set(RESERVED_TEMPLATE_VARS)
 
 
 def continues_final_message(request) -> bool:

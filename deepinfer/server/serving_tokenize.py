@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer.server.errors import bad_request, from_validation_error
 from deepinfer.server.protocol import ChatCompletionRequest
+from deepinfer.server.request_schema import TokenId
 from deepinfer.server.serving_base import OpenAIServing
 from deepinfer.server.serving_chat import has_image_parts
 from deepinfer.server.tool_calling import ToolPlan, checked_tools
@@ -56,7 +57,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 
 class DetokenizeResponse(BaseModel):

@@ -45,9 +45,10 @@ def _prompt(seed: int, length: int = 75) -> list[int]:
     return [1000 + (i * 7919 + seed * 104729) % 20000 for i in range(length)]
 
 
-def _wait_stored(kind: str, location: str, prompt: list[int], harness_wait) -> None:
+def _wait_stored(kind: str, location: str, prompt: list[int], harness_wait,
+                 cache_salt: str | None = None) -> None:
     """Write-through is asynchronous: wait for every full block of `prompt` in the store."""
-    hashes = [h.hex() for h in hash_request_blocks(prompt, BLOCK)]
+    hashes = [h.hex() for h in hash_request_blocks(prompt, BLOCK, cache_salt=cache_salt)]
     if kind == "fs":
         def stored() -> bool:
             return all(list(Path(location).glob(f"*/*/{h}*")) for h in hashes)
@@ -118,3 +119,26 @@ def test_cached_tokens_cold_then_repeat(served, make_engine_llm):
                            lambda v: v == 0) == 0
     assert wait_for_metric(server.url, "deepinfer:cluster_store_blocks_published_total",
                            lambda v: v >= 4 + 5) >= 4 + 5  # the cold prompts' full blocks
+
+
+def test_cached_tokens_are_per_tenant(served):
+    """cache_salt through P/D and the shared store: tenant A's prompt is cached for A only.
+    Round-robin alternates the prefill workers, so A's repeat runs on the worker that never
+    saw A (a store hit), and the unsalted and tenant-B requests between them miss on both."""
+    server, kind, location = served
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    prompt = _prompt(3 if kind == "fs" else 4, 70)
+
+    def cached(salt: str | None) -> int:
+        body = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
+        usage = client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                          temperature=0, extra_body=body).usage
+        assert usage.prompt_tokens == len(prompt)
+        return _cached(usage)
+
+    assert cached("tenant-a") == 0
+    _wait_stored(kind, location, prompt, _wait, cache_salt="tenant-a")
+    got = {salt: cached(salt) for salt in (None, "tenant-b", "tenant-a")}
+    assert got == {None: 0, "tenant-b": 0, "tenant-a": (len(prompt) - 1) // BLOCK * BLOCK}, kind

@@ -109,3 +109,45 @@ def test_unreachable_or_silent_server_is_a_counted_miss_not_an_error(server, sil
     st = s.stats()
     assert st.num_errors == 4 and st.num_misses == 1 and st.num_puts == 0
     s.close()
+
+
+def test_a_tenants_published_prefix_is_found_in_redis_only_with_its_salt(redis_url):
+    """cache_salt keys the Redis store as it keys the device cache: tenant A's prompt,
+    published through one worker's tier, is missed by an unsalted request and by tenant B on
+    another worker's tier, and loaded there (bit-exact) for tenant A."""
+    import torch
+
+    from deepinfer.cluster.prefix_store_tier import SharedPrefixTier, layout_for_cache
+    from deepinfer.core.kv_cache_manager import KVCacheManager
+    from deepinfer.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    block, prompt = 2, list(range(100, 109))  # 4 full blocks, one token left to compute
+    raw = redis.Redis.from_url(redis_url)
+    raw.flushdb()
+
+    def tier() -> SharedPrefixTier:
+        cache = PagedKVCache(KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4,
+                                         block_size=block, dtype=torch.float32),
+                             8, torch.device("cpu"))
+        layout = layout_for_cache(cache)
+        return SharedPrefixTier(open_store(redis_url, SALT, layout=layout.descriptor), cache,
+                                KVCacheManager(8, block), layout)
+
+    writer, reader = tier(), tier()
+    kv = torch.arange(4 * 2 * 2 * block * 4, dtype=torch.float32).reshape(2, 2, 4, block, 1, 4)
+    assert writer.write_through(prompt, kv, cache_salt="tenant-a") == 4
+    assert writer.writer.flush(timeout_s=10)
+    salted = writer.block_hashes(prompt, cache_salt="tenant-a")
+    assert all(raw.exists(writer.store.key(h)) for h in salted)
+    assert len(raw.keys("deepinfer:kv:*")) == 4  # nothing stored under another key
+    for salt in (None, "tenant-b"):
+        assert reader.load_prefix(prompt, cache_salt=salt).num_store_blocks == 0, salt
+        assert reader.store.longest_prefix(reader.block_hashes(prompt, cache_salt=salt)) == 0
+    load = reader.load_prefix(prompt, cache_salt="tenant-a")
+    assert (load.num_device_blocks, load.num_store_blocks) == (0, 4)
+    ids = [reader.kv.pool.get_cached_block(h).block_id for h in salted]
+    assert torch.equal(reader.cache.read_blocks(ids), kv)
+    assert reader.store.stats().num_hits == 4
+    writer.close()
+    reader.close()
+    raw.close()

@@ -25,7 +25,8 @@ class CharTokenizer:
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return [chr(32 + t % 90) for t in ids]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False,
+                            **template_vars):  # as HF's: extra variables go to the template
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ">"
 
 
