@@ -50,7 +50,7 @@ from deepinfer.routing import (NoWorkerAvailable, RequestTooLarge, RoutingReques
                                build_decode_router, build_prefill_router)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.wire.engine_messages import EngineStatsSnapshot, RequestDelta
-from deepinfer.wire import ChannelReceiver, channel_name, tokenizer_from_files
+from deepinfer.wire import tokenizer_from_files
 from deepinfer.wire.drops import sum_reports
 
 logger = logging.getLogger(__name__)
@@ -90,9 +90,10 @@ class DisaggClient:
                 encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level,
                 restart=cluster.restart_policy))
         self._ctx = zmq.asyncio.Context()
-        self._output, self._output_addr = bind_worker_output(self._ctx, cluster.host)
-        self._decoder = ChannelReceiver(channel_name("worker.output", self._output_addr),
-                                        self._worker_message_type())
+        # Reports are believed only from a connection that proved to be a worker of ours.
+        self._output = bind_worker_output(self._ctx, cluster.host, self._worker_message_type(),
+                                          lambda worker_id: worker_id in self.workers)
+        self._output_addr = self._output.address
         self.inbox = WorkerInbox(self)
         self.health = WorkerHealth(self)
 
@@ -101,16 +102,18 @@ class DisaggClient:
         return WorkerMessage
 
     def _on_other_message(self, message) -> None:
-        """A message a subclass added to the worker protocol (its `_decoder` reads it), e.g.
+        """A message a subclass added to the worker protocol (`_worker_message_type`), e.g.
         the EPLB results of an expert-parallel decode group."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     def _make_handle(self, role: str, index: int) -> WorkerHandle:
         c = self.cluster
-        sock, input_addr = bind_worker_input(self._ctx, c.host)
+        worker_id = f"{role}-{index}"
+        sock = bind_worker_input(self._ctx, c.host, worker_id)
+        self._output.release(worker_id)  # a new handle: a new process says hello
         spec = WorkerSpec(
-            worker_id=f"{role}-{index}", role=role, engine_config=self.engine_config,
-            input_addr=input_addr, output_addr=self._output_addr,
+            worker_id=worker_id, role=role, engine_config=self.engine_config,
+            input_addr=sock.address, output_addr=self._output_addr,
             parent_pid=os.getpid(), kv_store_url=c.store_url,  # decode: image embeddings only
             report_interval_s=c.report_interval_s, transfer_timeout_s=c.transfer_timeout_s,
             kv_stage_ttl_s=c.kv_stage_ttl_s, host=c.host, log_level=c.log_level,
@@ -153,7 +156,7 @@ class DisaggClient:
                        asyncio.create_task(self.health.run(), name="cluster-health-loop")]
 
     async def _wait_ready(self) -> None:
-        await await_workers_ready(self._output, self._decoder, self.workers,
+        await await_workers_ready(self._output, self.workers,
                                   self.cluster.ready_timeout_s, "workers", self._on_startup_message)
 
     async def _on_startup_message(self, message) -> str | None:
@@ -325,7 +328,7 @@ class DisaggClient:
             return
         try:
             await handle.input_socket.send(handle.sender.encode(message), copy=False)
-        except zmq.Again:
+        except zmq.Again:  # gone (unreachable), or its pipe full for SEND_TIMEOUT_MS
             # Not awaited here: worker-loss handling sends to other workers and fails requests.
             self._tasks.append(asyncio.get_running_loop().create_task(self.health.on_worker_dead(
                 worker_id, f"its input socket accepted nothing for {SEND_TIMEOUT_MS} ms")))

@@ -181,6 +181,9 @@ class WorkerHealth:
         handle.ready = handle.load = handle.last_report = None
         handle.counters = WorkerCounters()  # a new process counts from zero
         handle.request_ids.clear()
+        # The new process proves itself again; nothing goes to (or is believed from) the old.
+        handle.input_socket.release()
+        self.client._output.release(worker_id)
         handle.proc = self.client.launcher.process(handle.spec)
         self.client.supervisor.on_started(worker_id, time.monotonic())
         try:

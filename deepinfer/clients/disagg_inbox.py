@@ -9,7 +9,6 @@ import time
 from deepinfer.clients.disagg_track import _Track, _worker_error
 from deepinfer.wire.worker_messages import (AbortRequests, WorkerFailed, WorkerHeartbeat,
                                         WorkerReady, WorkerReport)
-from deepinfer.wire.inbox import receive_message
 
 
 class WorkerInbox:
@@ -20,8 +19,7 @@ class WorkerInbox:
 
     async def run(self) -> None:
         while True:
-            message = await receive_message(self.client._output, self.client._decoder.decode,
-                                            "a worker")
+            message = await self.client._output.receive("a worker")
             if isinstance(message, WorkerReport):
                 await self.on_report(message)
                 for done in message.prefill_done:

@@ -31,7 +31,7 @@ from deepinfer.multimodal.encode_metrics import (ENCODE_TIME_BUCKETS, IMAGES_PER
                                               BucketCounts)
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec, run_encode_worker_proc
 from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, WorkerFailed
-from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, bind_worker_input,
+from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, WorkerInput, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
 from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
@@ -39,8 +39,7 @@ from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
 from deepinfer.engine.exceptions import EngineDeadError
-from deepinfer.wire.inbox import receive_message
-from deepinfer.wire import ChannelReceiver, ChannelSender, channel_name
+from deepinfer.wire import ChannelSender, channel_name
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_PERIOD_S = 0.1
@@ -71,7 +70,7 @@ class EncodeStageConfig:
 @dataclass
 class _EncodeWorker:
     spec: EncodeWorkerSpec
-    socket: zmq.asyncio.Socket
+    socket: WorkerInput  # the front's ROUTER to it (sends only once it said hello)
     proc: multiprocessing.process.BaseProcess | None = None
     ready: bool = False
     alive: bool = True
@@ -107,9 +106,9 @@ class EncodeStage:
         self._pending: dict[str, _Pending] = {}
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
-        self._output, self._output_addr = bind_worker_output(self._ctx, config.host)
-        self._decoder = ChannelReceiver(channel_name("worker.output", self._output_addr),
-                                        EncodeWorkerMessage)
+        self._output = bind_worker_output(self._ctx, config.host, EncodeWorkerMessage,
+                                          lambda worker_id: worker_id in self.workers)
+        self._output_addr = self._output.address
         # Front-side observations (metrics): per-image encode time, images per request.
         self.encode_time = BucketCounts(ENCODE_TIME_BUCKETS)
         self.images_per_request = BucketCounts(IMAGES_PER_REQUEST_BUCKETS)
@@ -121,16 +120,16 @@ class EncodeStage:
     async def start(self) -> None:
         c = self.config
         for i in range(c.num_workers):
-            sock, input_addr = bind_worker_input(self._ctx, c.host)
+            sock = bind_worker_input(self._ctx, c.host, f"encode-{i}")
             spec = EncodeWorkerSpec(
                 worker_id=f"encode-{i}", engine_config=self.engine_config,
-                input_addr=input_addr, output_addr=self._output_addr,
+                input_addr=sock.address, output_addr=self._output_addr,
                 parent_pid=os.getpid(), kv_store_url=c.kv_store_url, cache_bytes=c.cache_bytes,
                 max_batch_images=c.max_batch_images, report_interval_s=c.report_interval_s,
                 log_level=c.log_level)
             worker = _EncodeWorker(spec, sock)
+            self.workers[spec.worker_id] = worker  # before it starts: it may say hello
             self._spawn(worker)
-            self.workers[spec.worker_id] = worker
         await self._wait_ready()
         now = time.monotonic()
         for worker_id in self.workers:
@@ -145,7 +144,7 @@ class EncodeStage:
         worker.proc.start()
 
     async def _wait_ready(self) -> None:
-        await await_workers_ready(self._output, self._decoder, self.workers,
+        await await_workers_ready(self._output, self.workers,
                                   self.config.ready_timeout_s, "encode workers",
                                   self._on_startup_message)
 
@@ -239,8 +238,7 @@ class EncodeStage:
     # --- worker messages ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
         while True:
-            message = await receive_message(self._output, self._decoder.decode,
-                                            "an encode worker")
+            message = await self._output.receive("an encode worker")
             if isinstance(message, EncodeWorkerReport):
                 self._on_report(message)
             elif isinstance(message, EncodeWorkerReady):
@@ -287,6 +285,8 @@ class EncodeStage:
         for worker_id in self.supervisor.due(now):
             worker = self.workers[worker_id]
             worker.ready, worker.counters = False, EncodeCounters()
+            worker.socket.release()  # the new process proves itself again
+            self._output.release(worker_id)
             self.supervisor.on_started(worker_id, now)
             try:
                 self._spawn(worker)

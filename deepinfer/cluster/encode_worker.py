@@ -308,4 +308,5 @@ def run_encode_worker_proc(spec: EncodeWorkerSpec) -> None:
                        loop.run, [tier.close] if tier is not None else [])
 
     run_process(spec.worker_id, spec.log_level, spec.input_addr, spec.output_addr,
-                "worker.output", build, lambda message: WorkerFailed(spec.worker_id, message))
+                "worker.output", build, lambda message: WorkerFailed(spec.worker_id, message),
+                hello=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 import multiprocessing
 from dataclasses import dataclass, field
 
-import zmq.asyncio
-
 from deepinfer.wire.worker_messages import WorkerCounters, WorkerLoadReport, WorkerReady
+from deepinfer.cluster.worker_channels import WorkerInput
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.routing import WorkerLoad
 from deepinfer.wire import ChannelSender, channel_name
@@ -15,7 +14,7 @@ from deepinfer.wire import ChannelSender, channel_name
 @dataclass
 class WorkerHandle:
     spec: WorkerSpec
-    input_socket: zmq.asyncio.Socket
+    input_socket: WorkerInput  # the front's ROUTER to it (sends only once it said hello)
     proc: multiprocessing.process.BaseProcess | None = None
     ready: WorkerReady | None = None
     alive: bool = True

@@ -76,7 +76,7 @@ def run_worker_proc(spec: WorkerSpec) -> None:
         pin_to_cpus(spec.cpu_ids)  # before torch starts its threads
     run_process(spec.worker_id, spec.log_level, spec.input_addr, spec.output_addr,
                 "worker.output", lambda ctx, i, o: _serving(spec, ctx, i, o),
-                lambda message: WorkerFailed(spec.worker_id, message))
+                lambda message: WorkerFailed(spec.worker_id, message), hello=True)
 
 
 def _serving(spec: WorkerSpec, ctx: zmq.Context, input_socket, output_socket) -> Serving:

@@ -9,10 +9,10 @@ from deepinfer.wire.worker_messages import WorkerFailed
 from deepinfer.engine.exceptions import EngineDeadError
 
 
-async def await_workers_ready(output, decoder, workers: Mapping[str, Any], timeout_s: float,
+async def await_workers_ready(output, workers: Mapping[str, Any], timeout_s: float,
                               label: str,
                               on_message: Callable[[object], Awaitable[str | None]]) -> None:
-    """Receive from `output` until every worker in `workers` (each with a `.proc`) is ready.
+    """Receive from `output` (a worker_channels.WorkerOutput) until every worker in `workers` (each with a `.proc`) is ready.
 
     `on_message` handles every other message and returns the id of the worker it marks ready
     (None if it marks none). A worker that exits or reports `WorkerFailed` first, or the
@@ -28,7 +28,7 @@ async def await_workers_ready(output, decoder, workers: Mapping[str, Any], timeo
                 if not proc.is_alive():
                     raise EngineDeadError(f"{wid} exited with code {proc.exitcode}")
             continue
-        message = decoder.decode(await output.recv())
+        message = await output.recv_message()  # None: a hello, or dropped
         if isinstance(message, WorkerFailed):
             raise EngineDeadError(f"{message.worker_id} failed to start:\n{message.message}")
         ready = await on_message(message)

@@ -27,7 +27,10 @@ DECODE = "decode"  # authentic but not valid msgpack
 TYPE = "type"  # decodes, but not as a message of this channel (or fails its validation)
 FRAMES = "frames"  # a multipart message with the wrong number of parts
 INVALID = "invalid"  # well-formed, but its content is inconsistent (sizes, dtypes, ids)
-REASONS = (TRUNCATED, OVERSIZE, VERSION, KEY, MAC, REPLAY, DECODE, TYPE, FRAMES, INVALID)
+HELLO = "hello"  # a signed hello that fails its challenge (worker, nonce, already bound)
+SENDER_MISMATCH = "sender_mismatch"  # names another worker than the one on its connection
+REASONS = (TRUNCATED, OVERSIZE, VERSION, KEY, MAC, REPLAY, DECODE, TYPE, FRAMES, INVALID,
+           HELLO, SENDER_MISMATCH)
 
 
 def channel_label(channel: str) -> str:

@@ -19,6 +19,7 @@ from deepinfer.wire.worker_messages import (AbortRequests, ClusterInput, DecodeR
                                         WorkerReport)
 from deepinfer.wire import TokenizerFiles
 from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
+from deepinfer.cluster.worker_channels import bind_worker_input
 from deepinfer.cluster.worker_handle import WorkerHandle
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.engine_config import EngineConfig
@@ -26,6 +27,7 @@ from deepinfer.routing import RoutingRequest
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta, RequestError
+from tests.unit.hello_fakes import hello_dealer
 
 pytestmark = pytest.mark.timeout(60)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
@@ -38,11 +40,9 @@ class FakeWorker:
     def __init__(self, client: DisaggClient, ctx: zmq.Context, worker_id: str, role: str,
                  num_kv_blocks: int = 64) -> None:
         self.worker_id, self.role, self.num_kv_blocks = worker_id, role, num_kv_blocks
-        sock = client._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sock = bind_worker_input(client._ctx, "127.0.0.1", worker_id)
         spec = WorkerSpec(worker_id=worker_id, role=role, engine_config=None,
-                          input_addr=f"tcp://127.0.0.1:{port}", output_addr=client._output_addr)
+                          input_addr=sock.address, output_addr=client._output_addr)
         self.handle = WorkerHandle(spec, sock)
         self.handle.ready = WorkerReady(worker_id, role, 0, "tcp://127.0.0.1:1", "m", 4096, 1000,
                                         BLOCK, num_kv_blocks, 16, TokenizerFiles())
@@ -52,16 +52,18 @@ class FakeWorker:
         self.handle.load = self.handle.to_worker_load(self.handle.last_report, now)
         client.workers[worker_id] = self.handle
         client.supervisor.add_worker(worker_id, role, now)
-        self.inbox = ctx.socket(zmq.PULL)
-        self.inbox.connect(spec.input_addr)
-        self.out = ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.LINGER, 0)
-        self.out.connect(client._output_addr)
+        self.ctx, self.spec = ctx, spec
+        self.inbox = self.out = None  # DEALERs, once `connect` said hello on both
         # A fake worker holds the cluster secret, as a real one does.
         self.decoder = ChannelReceiver(channel_name("worker.input", spec.input_addr),
                                        ClusterInput)
         self.encoder = ChannelSender(channel_name("worker.output", client._output_addr))
         self.received: list = []
+
+    async def connect(self) -> None:
+        """Say hello on both sockets, as a worker process does (the front's loops run)."""
+        self.inbox = await hello_dealer(self.ctx, self.worker_id, self.spec.input_addr)
+        self.out = await hello_dealer(self.ctx, self.worker_id, self.spec.output_addr)
 
     def load_report(self) -> WorkerLoadReport:
         return WorkerLoadReport(0, 0, 0, 0, self.num_kv_blocks, BLOCK, 0, 16)
@@ -132,13 +134,15 @@ async def drive_front(client, ctx: zmq.Context, workers: dict, test) -> None:
     client._tasks = [asyncio.create_task(client.inbox.run()),
                      asyncio.create_task(client.health.run())]
     try:
+        await asyncio.gather(*(w.connect() for w in workers.values()))
         await test(client, workers)
     finally:
         for task in client._tasks:
             task.cancel()
         for w in workers.values():
-            w.inbox.close(linger=0)
-            w.out.close(linger=0)
+            for sock in (w.inbox, w.out):
+                if sock is not None:
+                    sock.close(linger=0)
             w.handle.input_socket.close(linger=0)
         client._output.close(linger=0)
         client._ctx.term()

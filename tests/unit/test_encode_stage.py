@@ -14,9 +14,11 @@ from deepinfer.wire.encode_messages import (EncodeCounters, EncodeDone, EncodeIm
                                                EncodeWorkerReport)
 from deepinfer.cluster.encode_stage import EncodeStage, EncodeStageConfig, _EncodeWorker
 from deepinfer.cluster.encode_worker import EncodeWorkerSpec
+from deepinfer.cluster.worker_channels import bind_worker_input
 from deepinfer.wire.mm_inputs import ImagePlaceholder, MultiModalInputs, PixelArray
 from deepinfer.engine.exceptions import EngineDeadError
 from deepinfer.wire.channel import ChannelReceiver, channel_name
+from tests.unit.hello_fakes import hello_dealer
 
 
 def mm(*hashes: str) -> MultiModalInputs:
@@ -26,27 +28,29 @@ def mm(*hashes: str) -> MultiModalInputs:
 
 
 class Stage:
-    """An EncodeStage whose two 'workers' are PULL sockets in this test."""
+    """An EncodeStage whose two 'workers' are DEALER sockets in this test (said hello)."""
 
     def __init__(self):
         self.stage = EncodeStage(None, EncodeStageConfig(num_workers=2, kv_store_url="fs"))
+        self.ctx = zmq.Context()
         self.inboxes = {}
         for i in range(2):
-            sock = self.stage._ctx.socket(zmq.PUSH)
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            spec = EncodeWorkerSpec(f"encode-{i}", None, f"tcp://127.0.0.1:{port}", "")
+            sock = bind_worker_input(self.stage._ctx, "127.0.0.1", f"encode-{i}")
+            spec = EncodeWorkerSpec(f"encode-{i}", None, sock.address, "")
             self.stage.workers[spec.worker_id] = _EncodeWorker(spec, sock, ready=True)
             self.stage.supervisor.add_worker(spec.worker_id, "encode", 0.0)
-            inbox = self.stage._ctx.socket(zmq.PULL)
-            inbox.connect(f"tcp://127.0.0.1:{port}")
-            self.inboxes[spec.worker_id] = inbox
         self.decoders = {wid: ChannelReceiver(channel_name("worker.input", w.spec.input_addr),
                                               EncodeImages)
                          for wid, w in self.stage.workers.items()}
 
+    async def connect(self) -> None:
+        for wid, w in self.stage.workers.items():
+            self.inboxes[wid] = await hello_dealer(self.ctx, wid, w.spec.input_addr)
+
     async def received(self, worker_id: str) -> EncodeImages:
-        frame = await asyncio.wait_for(self.inboxes[worker_id].recv(), 5)
-        return self.decoders[worker_id].decode_or_raise(frame)
+        inbox = self.inboxes[worker_id]
+        assert await asyncio.to_thread(inbox.poll, 5000), f"nothing sent to {worker_id}"
+        return self.decoders[worker_id].decode_or_raise(inbox.recv())
 
     def report(self, worker_id: str, done=(), images: int = 0, patches: int = 0) -> None:
         self.stage._on_report(EncodeWorkerReport(worker_id, images, patches, EncodeCounters(), list(done)))
@@ -54,12 +58,14 @@ class Stage:
     def close(self):
         for inbox in self.inboxes.values():
             inbox.close(linger=0)
+        self.ctx.term()
 
 
 def run(coro_fn):
     async def main():
         stage = Stage()
         try:
+            await stage.connect()
             return await coro_fn(stage)
         finally:
             stage.close()
@@ -153,6 +159,10 @@ def test_lost_worker_is_restarted_and_routed_to_once_ready():
         await stage._check_workers(now + 5.0)  # due: a new process
         new_pid = stage.workers["encode-0"].proc.pid
         assert stage.supervisor.num_restarts["encode"] == 1
+        assert not stage.workers["encode-0"].socket.bound  # the old connection is released
+        s.inboxes["encode-0"].close(linger=0)  # the new process says hello on its own
+        s.inboxes["encode-0"] = await hello_dealer(s.ctx, "encode-0",
+                                                   stage.workers["encode-0"].spec.input_addr)
         stage._on_restarted(EncodeWorkerReady("encode-0", new_pid - 1, True))  # stale: ignored
         assert not stage.workers["encode-0"].alive
         stage._on_restarted(EncodeWorkerReady("encode-0", new_pid, True))

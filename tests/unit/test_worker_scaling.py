@@ -20,6 +20,7 @@ from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, Work
 from deepinfer.wire.engine_messages import ChoiceDelta, RequestDelta
 from deepinfer.wire import TokenizerFiles
 from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
+from tests.unit.hello_fakes import hello_dealer
 from tests.unit.test_disagg_client_faults import (BLOCK, PARAMS, FakeWorker, run_front,
                                                   to_decode, until)
 
@@ -107,9 +108,8 @@ def test_an_added_worker_is_routed_to_only_after_it_is_ready_and_reported():
         assert client.supervisor.state("prefill-1") is WorkerState.STARTING
         assert client.supervisor.num_restarts["prefill"] == 0  # not a restart
         ctx = zmq.Context()
-        inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        inbox.connect(handle.spec.input_addr)
-        out.connect(client._output_addr)
+        inbox = await hello_dealer(ctx, "prefill-1", handle.spec.input_addr)
+        out = await hello_dealer(ctx, "prefill-1", client._output_addr)
         try:
             # Loading: requests go to p0 / p1 only.
             for i in range(4):
