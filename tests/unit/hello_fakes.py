@@ -24,5 +24,9 @@ async def hello_dealer(ctx: zmq.Context, worker_id: str, addr: str,
     """A DEALER connected to `addr` that the front's ROUTER there has welcomed as `worker_id`
     (the hello runs in a thread: the front answers it on this event loop)."""
     sock = dealer(ctx, addr)
-    await asyncio.to_thread(say_hello, sock, worker_id, addr, timeout_s, 0.5)
+    try:
+        await asyncio.to_thread(say_hello, sock, worker_id, addr, timeout_s, 0.5)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock
