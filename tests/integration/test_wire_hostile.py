@@ -1,6 +1,7 @@
 """Hostile frames on a running server's real sockets: a stray local process connects raw ZMQ
 PUSH / DEALER sockets to the colocated engine's report endpoint, and to every TCP port of a
-P1/D1 cluster (the front's worker-report socket, the prefill worker's KV server), and sends
+P1/D1 cluster (the front's worker ROUTERs, where an unproven connection is read only as a
+hello, and the prefill worker's KV server), and sends
 garbage, truncated, foreign-key, forged, replayed, wrongly typed, multi-part and pickled
 frames. Every one is dropped and counted in deepinfer:wire_frames_dropped_total by channel
 and reason, nothing is unpickled, and a request in flight meanwhile (and one after) returns
@@ -122,12 +123,12 @@ def test_p1_d1_cluster_sockets_drop_hostile_frames(engine_base_llm, tmp_path):
                         "--max-model-len", "256", "--prefill-workers", "1",
                         "--decode-workers", "1", env={SECRET_ENV: SECRET}) as server:
         endpoints = tcp_listeners(server.proc.pid, exclude_ports={server.port})
-        assert len(endpoints) >= 3, endpoints  # report PULL, 2 worker PUSHes, KV ROUTER
+        assert len(endpoints) >= 4, endpoints  # report ROUTER, 2 worker inputs, KV ROUTER
         key = derive_key(SECRET)
 
         def attack(attacker):
             for endpoint in endpoints:
-                for kind in ("worker.output", "kv.pull"):
+                for kind in ("worker.hello", "kv.pull"):
                     frames = hostile_frames(f"{kind}@{endpoint}", str(marker), key)
                     attacker.send(zmq.PUSH, endpoint, [[f] for _, f in frames])
                     attacker.send(zmq.DEALER, endpoint, [[f] for _, f in frames])
@@ -135,7 +136,7 @@ def test_p1_d1_cluster_sockets_drop_hostile_frames(engine_base_llm, tmp_path):
                 attacker.send(zmq.DEALER, endpoint, [[b"a", b"b"], [b"x"] * 5])
 
         _attack_during_request(server, engine_base_llm, attack)
-        wanted = {("worker.output", r) for r in ALL_REASONS} | \
+        wanted = {("worker.hello", r) for r in ALL_REASONS | {"frames"}} | \
             {("kv.pull", r) for r in ALL_REASONS | {"frames"}}
         drops = _wait_drops(server.url, wanted)
         for channel, reason in sorted(wanted):
