@@ -78,6 +78,8 @@ def attack_under_load(topo: NetnsTopology, attacker: str, endpoints: list[str], 
     res = subprocess.run(topo.exec_argv(attacker, argv), capture_output=True, text=True,
                          timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr[-3000:]
+    # Worker inputs are ROUTERs that send only to a proven worker: a stray takes no share.
+    assert "stray frames received: 0" in res.stdout, res.stdout[-3000:]
     thread.join(300)
     assert not thread.is_alive(), "requests under attack did not finish"
     return got

@@ -4,7 +4,9 @@ attacker process in namespace "attack" reaches it only over veth + bridge and th
 truncated, oversized, foreign-key, forged, replayed, wrongly typed, multi-part and pickled
 frames at every listening TCP port while greedy requests run. The test process talks HTTP
 through its own bridge port. Outputs must equal the same prompts' outputs before the attack,
-no file may appear, drops are counted, and the server still answers.
+no file may appear, drops are counted, the attacker's passive PULL / DEALER peers receive not
+one frame (worker inputs are ROUTERs that send only to a proven worker), and the server still
+answers.
 
 Then, on the same cluster, a cut and heal: every TCP packet of the decode worker process is
 dropped (iptables in the namespace, netns_cut.py) while it streams; the front suspends it
@@ -54,7 +56,7 @@ def test_attacker_in_another_namespace_changes_no_answer(cluster, tmp_path):
     marker = tmp_path / "pwned"
     want = {p: complete(server.url, p) for p in PROMPTS}  # unattacked reference
     endpoints = listeners(topo, "cluster")
-    assert len(endpoints) >= 3, endpoints  # report PULL, 2 worker PUSHes, KV ROUTER
+    assert len(endpoints) >= 4, endpoints  # report ROUTER, 2 worker input ROUTERs, KV ROUTER
     drops_before = drops(server.url)
     got = attack_under_load(topo, "attack", endpoints, marker,
                             lambda: {p: complete(server.url, p) for p in PROMPTS})
