@@ -90,7 +90,6 @@ class DisaggClient:
                 encode_timeout_s=cluster.stall_timeout_s, log_level=cluster.log_level,
                 restart=cluster.restart_policy))
         self._ctx = zmq.asyncio.Context()
-        # Reports are believed only from a connection that proved to be a worker of ours.
         self._output = bind_worker_output(self._ctx, cluster.host, self._worker_message_type(),
                                           lambda worker_id: worker_id in self.workers)
         self._output_addr = self._output.address
@@ -328,7 +327,7 @@ class DisaggClient:
             return
         try:
             await handle.input_socket.send(handle.sender.encode(message), copy=False)
-        except zmq.Again:  # gone (unreachable), or its pipe full for SEND_TIMEOUT_MS
+        except zmq.Again:  # gone, or its pipe full for SEND_TIMEOUT_MS
             # Not awaited here: worker-loss handling sends to other workers and fails requests.
             self._tasks.append(asyncio.get_running_loop().create_task(self.health.on_worker_dead(
                 worker_id, f"its input socket accepted nothing for {SEND_TIMEOUT_MS} ms")))
