@@ -62,8 +62,7 @@ def open_worker_process(worker_id: str, log_level: str, input_addr: str, output_
     output_socket.setsockopt(zmq.LINGER, 2000)
     if hello:
         for sock in (input_socket, output_socket):
-            # Kept across ZMQ's re-dials: a reconnected connection is still the bound one.
-            sock.setsockopt(zmq.ROUTING_ID, b"w" + os.urandom(15))
+            set_routing_id(sock)
     try:
         input_socket.connect(input_addr)
         if hello:
@@ -77,6 +76,12 @@ def open_worker_process(worker_id: str, log_level: str, input_addr: str, output_
         ctx.term()
         raise
     return ctx, input_socket, output_socket
+
+
+def set_routing_id(sock: zmq.Socket) -> None:
+    """A random routing id of this connection's own, kept across ZMQ's re-dials: a connection
+    re-dialled after a network cut is still the one bound to this worker."""
+    sock.setsockopt(zmq.ROUTING_ID, b"w" + os.urandom(15))  # ids starting 0x00 are ZMQ's
 
 
 def run_process(name: str, log_level: str, input_addr: str, output_addr: str,

@@ -26,11 +26,12 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.wire import ChannelReceiver, channel_name, drops
-from deepinfer.wire.hello import HelloGate
+from deepinfer.wire.hello import HEARTBEAT_SLOT, HelloGate
 
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000  # a worker's input socket that blocks this long is treated as lost
+OUTPUT_SLOTS = ("", HEARTBEAT_SLOT)  # a worker's heartbeat thread has a connection of its own
 
 
 def _bound_router(ctx: zmq.asyncio.Context, host: str) -> tuple[zmq.asyncio.Socket, str]:
@@ -110,7 +111,7 @@ class WorkerOutput:
     def __init__(self, ctx: zmq.asyncio.Context, host: str, message_type,
                  expected: Callable[[str], bool]) -> None:
         self.socket, self.address = _bound_router(ctx, host)
-        self.gate = HelloGate(self.address, expected)
+        self.gate = HelloGate(self.address, expected, slots=OUTPUT_SLOTS)
         self.decoder = ChannelReceiver(channel_name("worker.output", self.address),
                                        message_type)
 

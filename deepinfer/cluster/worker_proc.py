@@ -3,6 +3,7 @@ worker-process shape (`process_shell.py`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -10,10 +11,14 @@ import time
 import zmq
 
 from deepinfer.wire.worker_messages import WorkerFailed, WorkerHeartbeat, WorkerReady
-from deepinfer.cluster.process_shell import Serving, run_process
+from deepinfer.cluster.process_shell import Serving, run_process, set_routing_id
 from deepinfer.cluster.worker_spec import WorkerSpec
 from deepinfer.engine.step_faults import isolate_step_faults
 from deepinfer.wire import ChannelSender, channel_name, tokenizer_to_files
+from deepinfer.wire.hello import HEARTBEAT_SLOT, HelloRefused, say_hello
+
+logger = logging.getLogger(__name__)
+HELLO_TRY_S = 2.0
 
 
 def _build_prefill(spec: WorkerSpec, input_socket, output_socket):
@@ -53,10 +58,21 @@ def _build_decode(spec: WorkerSpec, input_socket, output_socket):
 
 
 def _heartbeat_thread(spec: WorkerSpec, ctx: zmq.Context, loop, stop: threading.Event) -> None:
-    """Own socket (ZMQ sockets are not thread-safe); beats while the loop is inside a step."""
-    socket = ctx.socket(zmq.PUSH)
+    """Own socket (ZMQ sockets are not thread-safe), proven as this worker's heartbeat
+    connection; beats while the loop is inside a step."""
+    socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    set_routing_id(socket)
     socket.connect(spec.output_addr)
+    while True:  # in short tries: a stop while the front does not answer must not hang
+        if stop.is_set():
+            socket.close(linger=0)
+            return
+        try:
+            say_hello(socket, spec.worker_id, spec.output_addr, HELLO_TRY_S, slot=HEARTBEAT_SLOT)
+            break
+        except HelloRefused:
+            logger.warning("the front has not welcomed the heartbeat connection yet")
     encoder = worker_output_sender(spec.output_addr)  # its own sequence: its own socket
     while not stop.wait(spec.report_interval_s):
         age = time.monotonic() - loop.last_iteration_time

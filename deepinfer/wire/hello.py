@@ -36,15 +36,18 @@ from deepinfer.wire.channel import ChannelReceiver, ChannelSender, channel_name
 
 NONCE_BYTES = 16
 MAX_PENDING = 256  # connections that asked and have not answered; a bound all the same
+HEARTBEAT_SLOT = "heartbeat"  # the slot of a worker's heartbeat thread's own report socket
 
 
 class HelloRequest(msgspec.Struct, tag=True):
     worker_id: str
+    slot: str = ""  # which of the worker's connections to this socket (see HelloGate)
 
 
 class Hello(msgspec.Struct, tag=True):
     worker_id: str
     nonce: bytes
+    slot: str = ""
 
 
 class Challenge(msgspec.Struct, tag=True):
@@ -72,18 +75,22 @@ class HelloGate:
 
     `expected(worker_id)` says whether that worker may bind here (the one worker of an input
     socket; any worker of the client on the shared output socket). A worker binds one
-    connection at a time; `release(worker_id)` frees it for a new process (a restart)."""
+    connection per slot it may use here (`slots`: e.g. its reports and its heartbeat thread's
+    own socket), one at a time; `release(worker_id)` frees them for a new process (a restart).
+    """
 
     def __init__(self, endpoint: str, expected: Callable[[str], bool],
-                 key: bytes | None = None, counter: drops.DropCounter | None = None) -> None:
+                 key: bytes | None = None, counter: drops.DropCounter | None = None,
+                 slots: tuple[str, ...] = ("",)) -> None:
         self.endpoint = endpoint
         self.expected = expected
+        self.slots = slots
         self._receiver = ChannelReceiver(hello_channel(endpoint), WorkerHello, key,
                                          max_frame_bytes=4096, counter=counter)
         self._sender = ChannelSender(challenge_channel(endpoint), key)
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # routing id -> nonce
         self._worker_of: dict[bytes, str] = {}  # routing id -> worker id
-        self._rid_of: dict[str, bytes] = {}  # worker id -> routing id
+        self._rid_of: dict[tuple[str, str], bytes] = {}  # (worker id, slot) -> routing id
 
     @property
     def counter(self) -> drops.DropCounter:
@@ -92,13 +99,14 @@ class HelloGate:
     def worker_of(self, rid: bytes) -> str | None:
         return self._worker_of.get(rid)
 
-    def rid_of(self, worker_id: str) -> bytes | None:
-        return self._rid_of.get(worker_id)
+    def rid_of(self, worker_id: str, slot: str = "") -> bytes | None:
+        return self._rid_of.get((worker_id, slot))
 
     def release(self, worker_id: str) -> None:
-        rid = self._rid_of.pop(worker_id, None)
-        if rid is not None:
-            self._worker_of.pop(rid, None)
+        for slot in self.slots:
+            rid = self._rid_of.pop((worker_id, slot), None)
+            if rid is not None:
+                self._worker_of.pop(rid, None)
 
     def drop(self, reason: str, detail: str = "") -> None:
         self._receiver.drop(reason, detail)
@@ -112,10 +120,11 @@ class HelloGate:
         message = self._receiver.decode(frames[0])
         if message is None:
             return None
-        if not self.expected(message.worker_id):
-            self.drop(drops.HELLO, f"{message.worker_id!r} does not belong here")
+        if not self.expected(message.worker_id) or message.slot not in self.slots:
+            self.drop(drops.HELLO, f"{message.worker_id!r} ({message.slot!r}) does not "
+                      "belong here")
             return None
-        bound = self._rid_of.get(message.worker_id)
+        bound = self._rid_of.get((message.worker_id, message.slot))
         if bound is not None and bound != rid:
             self.drop(drops.HELLO, f"{message.worker_id} is bound to another connection")
             return None
@@ -134,7 +143,7 @@ class HelloGate:
             return None
         del self._pending[rid]  # spent
         self._worker_of[rid] = message.worker_id
-        self._rid_of[message.worker_id] = rid
+        self._rid_of[(message.worker_id, message.slot)] = rid
         return self._sender.encode(Welcome(message.worker_id))
 
 
@@ -143,7 +152,7 @@ class HelloRefused(RuntimeError):
 
 
 def say_hello(sock, worker_id: str, endpoint: str, timeout_s: float = 60.0,
-              retry_s: float = 1.0, key: bytes | None = None) -> None:
+              retry_s: float = 1.0, key: bytes | None = None, slot: str = "") -> None:
     """The worker's side on a connected DEALER (a blocking zmq.Socket): ask, answer the
     challenge, wait for the welcome. Asks again every `retry_s` (the front may not be reading
     yet); raises HelloRefused after `timeout_s`."""
@@ -157,12 +166,12 @@ def say_hello(sock, worker_id: str, endpoint: str, timeout_s: float = 60.0,
         if now > deadline:
             raise HelloRefused(f"{worker_id}: no welcome from {endpoint} in {timeout_s:.0f} s")
         if now >= next_ask:
-            sock.send(sender.encode(HelloRequest(worker_id)))
+            sock.send(sender.encode(HelloRequest(worker_id, slot)))
             next_ask = now + retry_s
         if not sock.poll(max(1, int((min(next_ask, deadline) - now) * 1000))):
             continue
         message = receiver.decode(sock.recv())
         if isinstance(message, Challenge):
-            sock.send(sender.encode(Hello(worker_id, message.nonce)))
+            sock.send(sender.encode(Hello(worker_id, message.nonce, slot)))
         elif isinstance(message, Welcome) and message.worker_id == worker_id:
             return

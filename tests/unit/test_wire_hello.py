@@ -140,6 +140,28 @@ def test_a_second_connection_cannot_take_a_bound_worker():
     assert gate.worker_of(A) is None
 
 
+def test_a_worker_binds_one_connection_per_slot_it_may_use():
+    counter = DropCounter()
+    gate = HelloGate(ADDR, lambda wid: wid == "prefill-0", counter=counter,
+                     slots=("", "heartbeat"))
+    reports, beats = Peer(), Peer()
+    bind(gate, A, reports)
+    nonce = beats.read(gate.on_frame(B, [beats.sender.encode(
+        HelloRequest("prefill-0", "heartbeat"))])).nonce
+    assert beats.read(gate.on_frame(B, [beats.sender.encode(
+        Hello("prefill-0", nonce, "heartbeat"))])) == Welcome("prefill-0")
+    assert gate.rid_of("prefill-0") == A and gate.rid_of("prefill-0", "heartbeat") == B
+    assert gate.worker_of(B) == "prefill-0"
+    third = Peer()  # a second heartbeat connection, or a slot not offered here
+    assert gate.on_frame(b"wC" + bytes(14), [third.sender.encode(
+        HelloRequest("prefill-0", "heartbeat"))]) is None
+    assert gate.on_frame(b"wC" + bytes(14), [third.sender.encode(
+        HelloRequest("prefill-0", "other"))]) is None
+    assert drops_of(counter) == {"hello": 2}
+    gate.release("prefill-0")  # a restart frees every slot
+    assert gate.worker_of(A) is None and gate.worker_of(B) is None
+
+
 def test_a_repeated_ask_keeps_the_nonce_in_flight():
     gate, counter = gate_for()
     peer = Peer()
