@@ -88,7 +88,8 @@ class HelloGate:
         self._receiver = ChannelReceiver(hello_channel(endpoint), WorkerHello, key,
                                          max_frame_bytes=4096, counter=counter)
         self._sender = ChannelSender(challenge_channel(endpoint), key)
-        self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # routing id -> nonce
+        # routing id -> (nonce, the worker id and slot it was issued for)
+        self._pending: OrderedDict[bytes, tuple[bytes, str, str]] = OrderedDict()
         self._worker_of: dict[bytes, str] = {}  # routing id -> worker id
         self._rid_of: dict[tuple[str, str], bytes] = {}  # (worker id, slot) -> routing id
 
@@ -131,14 +132,18 @@ class HelloGate:
         if isinstance(message, HelloRequest):
             # One nonce per connection until spent: a repeated ask (the worker retries while
             # the challenge is in flight) must not void the answer already on its way.
-            nonce = self._pending.get(rid) or os.urandom(NONCE_BYTES)
-            self._pending[rid] = nonce
+            asked = (message.worker_id, message.slot)
+            pending = self._pending.get(rid)
+            nonce = pending[0] if pending is not None and pending[1:] == asked \
+                else os.urandom(NONCE_BYTES)
+            self._pending[rid] = (nonce, *asked)
             self._pending.move_to_end(rid)
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
             return self._sender.encode(Challenge(nonce))
         issued = self._pending.get(rid)
-        if issued is None or not hmac.compare_digest(issued, message.nonce):
+        if issued is None or issued[1:] != (message.worker_id, message.slot) \
+                or not hmac.compare_digest(issued[0], message.nonce):
             self.drop(drops.HELLO, f"{message.worker_id}: not the nonce issued to it")
             return None
         del self._pending[rid]  # spent

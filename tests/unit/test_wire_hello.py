@@ -145,6 +145,11 @@ def test_a_worker_binds_one_connection_per_slot_it_may_use():
     gate = HelloGate(ADDR, lambda wid: wid == "prefill-0", counter=counter,
                      slots=("", "heartbeat"))
     reports, beats = Peer(), Peer()
+    # A nonce issued for one slot does not answer for another.
+    nonce = beats.read(gate.on_frame(B, [beats.sender.encode(
+        HelloRequest("prefill-0", "heartbeat"))])).nonce
+    assert gate.on_frame(B, [beats.sender.encode(Hello("prefill-0", nonce, ""))]) is None
+    assert gate.rid_of("prefill-0") is None and drops_of(counter) == {"hello": 1}
     bind(gate, A, reports)
     nonce = beats.read(gate.on_frame(B, [beats.sender.encode(
         HelloRequest("prefill-0", "heartbeat"))])).nonce
@@ -157,7 +162,7 @@ def test_a_worker_binds_one_connection_per_slot_it_may_use():
         HelloRequest("prefill-0", "heartbeat"))]) is None
     assert gate.on_frame(b"wC" + bytes(14), [third.sender.encode(
         HelloRequest("prefill-0", "other"))]) is None
-    assert drops_of(counter) == {"hello": 2}
+    assert drops_of(counter) == {"hello": 3}
     gate.release("prefill-0")  # a restart frees every slot
     assert gate.worker_of(A) is None and gate.worker_of(B) is None
 
