@@ -159,13 +159,14 @@ class HelloRefused(RuntimeError):
 def say_hello(sock, worker_id: str, endpoint: str, timeout_s: float = 60.0,
               retry_s: float = 1.0, key: bytes | None = None, slot: str = "") -> None:
     """The worker's side on a connected DEALER (a blocking zmq.Socket): ask, answer the
-    challenge, wait for the welcome. Asks again every `retry_s` (the front may not be reading
-    yet); raises HelloRefused after `timeout_s`."""
+    challenge, wait for the welcome. Asks again every `retry_s` until a challenge comes (the
+    front may not be reading yet); raises HelloRefused after `timeout_s`."""
     sender = ChannelSender(hello_channel(endpoint), key)
     receiver = ChannelReceiver(challenge_channel(endpoint), FrontHello, key,
                                max_frame_bytes=4096)
     deadline = time.monotonic() + timeout_s
     next_ask = 0.0
+    answered = None
     while True:
         now = time.monotonic()
         if now > deadline:
@@ -176,7 +177,11 @@ def say_hello(sock, worker_id: str, endpoint: str, timeout_s: float = 60.0,
         if not sock.poll(max(1, int((min(next_ask, deadline) - now) * 1000))):
             continue
         message = receiver.decode(sock.recv())
-        if isinstance(message, Challenge):
+        if isinstance(message, Challenge) and message.nonce != answered:  # once per nonce
             sock.send(sender.encode(Hello(worker_id, message.nonce, slot)))
+            answered = message.nonce
+            # The front reads us: no more asks (one arriving after the welcome would be a
+            # frame on a bound connection, dropped and counted as a bad report).
+            next_ask = deadline
         elif isinstance(message, Welcome) and message.worker_id == worker_id:
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import zmq
@@ -279,3 +280,46 @@ def test_counters_still_parse_with_the_new_reasons():
     assert merge_reports(report) == {("worker.hello", "hello"): 2,
                                      ("worker.output", "sender_mismatch"): 1}
     assert WorkerCounters(wire_frames_dropped=report).wire_frames_dropped == report
+
+
+def test_a_slow_welcome_draws_no_second_ask():
+    """Once challenged, a worker waits for its welcome: a late re-ask would land on a bound
+    connection (a dropped 'report')."""
+    import threading
+    from deepinfer.wire.hello import say_hello
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    addr = f"tcp://127.0.0.1:{port}"
+    gate = HelloGate(addr, lambda wid: wid == "w", counter=DropCounter())
+    worker = dealer(ctx, addr)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (say_hello(worker, "w", addr, 10.0, 0.05),
+                                              done.set()))
+    try:
+        thread.start()
+        assert router.poll(5000)
+        rid, ask = router.recv_multipart()
+        router.send_multipart([rid, gate.on_frame(rid, [ask])])
+        while True:  # asks sent before the challenge arrived, then the answer
+            assert router.poll(5000)
+            rid, frame = router.recv_multipart()
+            reply = gate.on_frame(rid, [frame])
+            if gate.worker_of(rid) == "w":
+                break
+            router.send_multipart([rid, reply])  # the same nonce again: answered again
+        time.sleep(0.3)  # a slow front: six retry intervals before the welcome
+        router.send_multipart([rid, reply])
+        thread.join(5)
+        assert done.is_set()
+        extra = []
+        while router.poll(300):
+            extra.append(router.recv_multipart())
+        assert extra == []
+    finally:
+        thread.join(5)
+        worker.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
