@@ -74,3 +74,6 @@ def test_strays_on_the_worker_ports_receive_nothing_under_load(engine_base_llm):
             ctx.term()
         drops = _wait_drops(server.url, {("worker.hello", "key")})
         assert drops.get(("worker.hello", "key"), 0) >= len(endpoints), drops
+        # The workers' own hellos and reports drew no drop (nothing lands on a bound
+        # connection that is not a report of its worker).
+        assert {k: v for k, v in drops.items() if k[0] != "worker.hello" and v} == {}, drops
