@@ -71,12 +71,13 @@ def test_attacker_changes_no_answer_of_an_expert_parallel_group(tmp_path, defaul
     tokenizer.save_pretrained(checkpoint)
     args = ("--model", str(checkpoint), *COMMON, "--data-parallel-size", "2",
             "--enable-expert-parallel")
-    # The ranks talk to the front over ipc sockets and to each other over 127.0.0.1, so no
-    # wire channel is reachable from another host (nothing to count as dropped); the one port
-    # that is, is rank 0's torch.distributed rendezvous store (it binds every interface).
+    # The ranks talk to the front over ipc sockets and to each other over 127.0.0.1, and rank
+    # 0 serves the torch.distributed rendezvous store on a socket bound to 127.0.0.1 (left to
+    # itself TCPStore binds every interface), so nothing of the group is reachable from
+    # another host: any listener open to the network shows here.
     endpoints = _attacked_cluster_answers_the_same(
         tmp_path, args, lambda url: {p: complete(url, p) for p in PROMPTS}, min_ports=0)
-    assert len(endpoints) <= 1, endpoints  # a new listener open to the network shows here
+    assert endpoints == [], endpoints
 
 
 def _chat_image(url: str, seed: int) -> list[int]:
