@@ -1,8 +1,8 @@
 """What a request constrains its output to (vLLM's StructuredOutputsParams). Pure: no torch.
 
-Exactly one constraint is set. A JSON schema travels as canonical JSON text (sorted keys), so
-the params cross the engine boundary as plain msgspec data and two requests with the same
-schema share one compiled grammar (`key`).
+Exactly one constraint is set. A JSON schema (and a structural tag) travels as canonical JSON
+text (sorted keys), so the params cross the engine boundary as plain msgspec data and two
+requests with the same spec share one compiled grammar (`key`).
 """
 from __future__ import annotations
 
