@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured.params import StructuredOutputsParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -90,3 +91,16 @@ def test_speculation_gives_the_same_tagged_tokens(engine_base_llm, make_engine_l
         want = engine_base_llm.generate([prompt], params, use_tqdm=False)[0].outputs
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("tag", [
+    {**LEGACY, "triggers": ["<tool>"]},  # a trigger that starts no begin
+    {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        "type": "integer", "not": {"const": 3}}}},  # xgrammar would not enforce `not`
+])
+def test_bad_tags_are_refused_before_queueing(engine_base_llm, tag):
+    with pytest.raises(InvalidParameter) as info:
+        engine_base_llm.generate([CHAT], tagged(tag), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    out = engine_base_llm.generate([CHAT], tagged(FORCED, 2), use_tqdm=False)[0].outputs[0]
+    assert BEGIN.startswith(out.text) and out.text  # the engine goes on
