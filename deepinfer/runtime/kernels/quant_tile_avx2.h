@@ -19,7 +19,7 @@
 #define QTILE_N 16
 #define QTILE_M 64 /* input rows per pass over the tile */
 #ifndef QTILE_R
-#define QTILE_R 3  /* input rows per dot pass (x 4 weight rows: the accumulators) */
+#define QTILE_R 2  /* input rows per dot pass (x 4 weight rows: the accumulators) */
 #endif
 
 /* Scratch the tile needs; at most QTILE_N * K floats (the float32 path's), K >= 32. */
