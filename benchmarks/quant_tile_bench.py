@@ -1,8 +1,9 @@
 """Kernel-level timing of the quantized prefill tiles (kernels/quant_tile_avx2.h): one Q4_1
-linear of the default model's shapes, bf16 activations, M input rows, 1 thread, CPU time of
+linear of the default model's shapes (or the Q8_0 head's, --format q8_0), bf16 activations, M input rows, 1 thread, CPU time of
 this thread. Prints numbers, asserts nothing.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant_tile_bench.py [--ab /work/main/deepinfer/runtime/kernels]
+        [--format q8_0 --shapes "576,49152"]
 
 --ab DIR builds DIR's quant_linear.c as well (e.g. another checkout's kernels) and alternates
 the two libraries call by call in one process (same weights and inputs, outputs compared
@@ -61,8 +62,8 @@ def inner_for(k: int, n: int, m: int) -> int:
     return max(3, int(4e8 / (k * n * m + 1e6)))
 
 
-def case(fns: dict, k: int, n: int, m: int, reps: int, gen) -> dict:
-    weight = random_blocks("q4_1", n, k, gen)
+def case(fns: dict, fmt: str, k: int, n: int, m: int, reps: int, gen) -> dict:
+    weight = random_blocks(fmt, n, k, gen)
     desc = weight_descriptor(weight)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     outs = {name: torch.empty(m, n, dtype=torch.bfloat16) for name in fns}
@@ -102,16 +103,20 @@ def main() -> None:
     parser.add_argument("--ab", type=Path, help="another kernels/ directory to alternate with")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--no-split", action="store_true")
+    parser.add_argument("--format", default="q4_1", help="q4_1 (the linears), q8_0 (the head)")
+    parser.add_argument("--shapes", help="K,N pairs, e.g. 576,49152 (default: the linears')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     fns = {"this": load(KERNEL_DIR)}
     if args.ab:
         fns = {"other": load(args.ab), **fns}
     gen = torch.Generator().manual_seed(0)
-    print("Q4_1 weights, bf16 rows, 1 thread, thread CPU time, median of", args.reps)
-    for k, n in SHAPES:
+    shapes = SHAPES if not args.shapes else [
+        tuple(int(v) for v in pair.split(",")) for pair in args.shapes.split()]
+    print(f"{args.format} weights, bf16 rows, 1 thread, thread CPU time, median of {args.reps}")
+    for k, n in shapes:
         for m in ROWS:
-            r = case(fns, k, n, m, args.reps, gen)
+            r = case(fns, args.format, k, n, m, args.reps, gen)
             macs = k * n * m
             cols = "  ".join(f"{name} {t * 1e3:8.3f} ms {macs / t / 1e9:6.2f} GMAC/s"
                              for name, t in r["med"].items())
