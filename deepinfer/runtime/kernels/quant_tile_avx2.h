@@ -6,7 +6,14 @@
  *
  * Each dot is gblk_step over its blocks in order and one hsum8, the parts stored exactly as
  * gguf_block_parts built them: the bits of gguf_rows_avx2 (the decode path), whatever M, the
- * rows beside it, or the threads' split of the weight rows.
+ * rows beside it, or the threads' split of the weight rows. The four hsum8 of an input row
+ * run as one transposed sum (hsum8x4: the same adds) and its four outputs are stored at once
+ * (qstore4): per dot, the finish had cost about a fifth of a K = 576 dot's 18 blocks.
+ *
+ * Measured on Zen 3 (benchmarks/quant_tile_bench.py): the block step's five vector ops
+ * (maddubs, madd, cvt, mul, fma) bound the loop; 3 input rows x 4 weight rows ran the same as
+ * 2 x 4, and a product of scale and step broadcast from memory in place of the mul was no
+ * faster (the broadcast costs what the mul did), so both stayed out.
  *
  * Tile (gtile_bytes(K) of scratch, any alignment; the loop is quant_gemv.h's):
  *   codes  [QTILE_N][K]               bytes, block part b of row j at j * K + 32 b
