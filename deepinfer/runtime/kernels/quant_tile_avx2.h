@@ -8,7 +8,8 @@
  * gguf_block_parts built them: the bits of gguf_rows_avx2 (the decode path), whatever M, the
  * rows beside it, or the threads' split of the weight rows. The four hsum8 of an input row
  * run as one transposed sum (hsum8x4: the same adds) and its four outputs are stored at once
- * (qstore4): per dot, the finish had cost about a fifth of a K = 576 dot's 18 blocks.
+ * (qstore4) where each took the scalar qstore: together ~15% of a K = 576 linear, most of it
+ * the stores (the sum alone is ~2-3% of the dot pass, benchmarks/quant_tile_parts.c).
  *
  * Measured on Zen 3 (benchmarks/quant_tile_bench.py): the block step's five vector ops
  * (maddubs, madd, cvt, mul, fma) bound the loop; 3 input rows x 4 weight rows ran the same as
