@@ -62,8 +62,11 @@ def _engine(args):
         except ImportError:
             from vllm.sampling_params import GuidedDecodingParams as Spec
             field = "guided_decoding"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
+        # on CPU this fraction of the machine's memory is reserved at start, and the box is
+        # shared with the DeepInfer run: a quarter holds the 4 GiB cache and the model
         llm = LLM(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=False,
-                  max_model_len=1024)
+                  max_model_len=1024, gpu_memory_utilization=0.25)
     else:
         from deepinfer import LLM, SamplingParams
         from deepinfer.structured.params import StructuredOutputsParams as Spec
