@@ -14,7 +14,13 @@ bridge port.
   prefill worker's KV server) while requests run: the same tokens, no file, drops counted.
   Ray's own ports are left alone: Ray's protocol is not authenticated (Ray's documented model:
   its ports must only be reachable from the cluster), so garbage on them tests Ray, not
-  DeepInfer. They are pinned (netns_ray.RAY_PORTS, WORKER_PORTS) and listed by the test.
+  DeepInfer. They are pinned (netns_ray.RAY_PORTS, WORKER_PORTS) and listed by the test: in
+  "front" the GCS (6379), the head raylet's node-manager and object-manager ports, the
+  dashboard agent's, the runtime-env agent's, the metrics export port, the Ray Client server,
+  the driver's (the front's own) core-worker gRPC port, and two ports Ray has no flag for (the
+  autoscaler monitor's and the dashboard head's, on 0.0.0.0); in "worker" the node's raylet and
+  agents and each actor's core-worker gRPC port. Attacked: the front's report PULL and per-
+  worker PUSH sockets, and the prefill worker's KV server (the decode worker only dials).
 - Cut and heal: the worker namespace's bridge port goes down (both workers unreachable, Ray's
   node too): /health is 503 after the heartbeat timeout; brought back within Ray's node
   timeout, the same actors are back in routing and answer as before."""
@@ -26,13 +32,16 @@ import httpx
 import psutil
 import pytest
 
-from deepinfer.sampling_params import SamplingParams
-from tests.integration.netns import NetnsTopology, require_netns
-from tests.integration.netns_ray import (RAY_ENV, NetnsRay, is_ray_port, pids_in,
-                                         ray_listeners, sockets, tx_bytes)
-from tests.integration.netns_serve import (HTTP_PORT, attack_under_load, drops, netns_server,
-                                           wait_for_drops)
-from tests.integration.serve_process import ADMIN_FLAGS, ADMIN_HEADERS
+pytest.importorskip("ray")  # the `ray` CLI of this environment starts the nodes
+
+from deepinfer.sampling_params import SamplingParams  # noqa: E402
+from tests.integration.netns import NetnsTopology, require_netns  # noqa: E402
+from tests.integration.netns_ray import (GCS_PORT, RAY_ENV, RAY_PORTS, NetnsRay,  # noqa: E402
+                                         is_ray_port, pids_in, ray_listeners, sockets, tx_bytes)
+from tests.integration.netns_serve import (DROPPED, HTTP_PORT, attack_under_load,  # noqa: E402
+                                           drops, netns_server, wait_for_drops)
+from tests.integration.serve_process import (ADMIN_FLAGS, ADMIN_HEADERS,  # noqa: E402
+                                            scrape_metrics)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200)]
 
@@ -124,7 +133,8 @@ def test_workers_run_in_the_worker_namespace_across_the_veth(cluster, want):
     # The prefill worker's KV server listens on the worker's address, in its namespace.
     front_ports, _ = ray_listeners(topo, "front", front_pids(server), HTTP_PORT)
     worker_ports, _ = ray_listeners(topo, "worker", {pids["prefill-0"]}, HTTP_PORT)
-    assert front_ports and worker_ports, (front_ports, worker_ports)
+    assert front_ports and len(worker_ports) == 1, (front_ports, worker_ports)
+    assert ray_listeners(topo, "worker", {pids["decode-0"]}, HTTP_PORT)[0] == []  # dials only
     # Each worker's channels to the front are TCP connections to the front's address.
     established = sockets(topo, "worker", listening=False)
     for wid, pid in pids.items():
@@ -143,19 +153,30 @@ def test_attacker_in_a_third_namespace_changes_no_answer(cluster, want, tmp_path
     marker = tmp_path / "pwned"
     assert ask(server.url, want) == expected(want)
     endpoints, front_ray, worker_ray = deepinfer_endpoints(topo, server)
-    # report PULL + per-worker channels on the front, the KV server on the worker.
-    assert sum(e.startswith(f"tcp://{topo.address('front')}:") for e in endpoints) >= 2
-    assert any(e.startswith(f"tcp://{topo.address('worker')}:") for e in endpoints), endpoints
+    # The front: its report PULL and a PUSH per worker; the worker: the prefill's KV server.
+    assert sum(e.startswith(f"tcp://{topo.address('front')}:") for e in endpoints) >= 3
+    assert sum(e.startswith(f"tcp://{topo.address('worker')}:") for e in endpoints) == 1
+    assert GCS_PORT in front_ray and RAY_PORTS["--node-manager-port"] in worker_ray
     for ray_ports in (front_ray, worker_ray):  # left alone: Ray's own, all of them
-        assert all(is_ray_port(p) or "ray" in owner for p, owner in ray_ports.items()), \
+        assert all(is_ray_port(p) or "/ray/" in owner for p, owner in ray_ports.items()), \
             ray_ports
-    before = drops(server.url)
+    before, kv_before = drops(server.url), kv_pull_drops(server.url)
     got = attack_under_load(topo, "attack", endpoints, marker, lambda: ask(server.url, want))
     assert got == expected(want), server.output()
     assert wait_for_drops(server.url, before) > before
+    # Counted by the prefill worker in the other namespace, reported to the front in its stats.
+    deadline = time.monotonic() + 30
+    while kv_pull_drops(server.url) <= kv_before:
+        assert time.monotonic() < deadline, scrape_metrics(server.url)
+        time.sleep(0.3)
     assert not marker.exists()
     assert ask(server.url, want) == expected(want)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def kv_pull_drops(url: str) -> float:
+    return sum(v for k, v in scrape_metrics(url).items()
+               if k.startswith(DROPPED + "{") and 'channel="kv.pull"' in k)
 
 
 def _health(url: str) -> int:
