@@ -20,13 +20,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_report import BenchReport  # noqa: E402
+from server_health import wait_healthy  # noqa: E402
 
 ROOT = HERE.parent
 
@@ -35,21 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout_s} s")
 
 
 def _bench(url: str, args, out: str, num_prompts: int) -> dict:
@@ -73,7 +57,7 @@ def run_side(auth: bool, args, workdir: str) -> float:
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, args.start_timeout)
+        wait_healthy(url, proc, args.start_timeout)
         _bench(url, args, f"{workdir}/warmup.json", 8)
         result = _bench(url, args, f"{workdir}/{'on' if auth else 'off'}.json", args.num_prompts)
         return float(result["summary"]["output_throughput"])

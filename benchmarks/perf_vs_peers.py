@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 GGUF_NAME = "SmolLM2-135M-Instruct-bf16.gguf"
+sys.path.insert(0, HERE)
+from server_health import wait_healthy  # noqa: E402
 
 
 # --- one engine, measured inside its own process (--child) ------------------------------------
@@ -122,7 +124,7 @@ def llamacpp_server_w1(bin_dir: str, gguf: str, w: dict, threads: int, port: int
            "-t", str(threads), "-tb", str(threads), "--cache-ram", "0", "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(server, port, deadline_s=120)
+        wait_healthy(f"http://127.0.0.1:{port}", server, 120, name="llama-server")
         url = f"http://127.0.0.1:{port}/completion"
         _post(url, {"prompt": "Hello", "n_predict": 8, "ignore_eos": True, "temperature": 0})
         prompts = _prompts(n, w["input_len"], w["vocab"], 500 + seed)
@@ -149,21 +151,6 @@ def llamacpp_server_w1(bin_dir: str, gguf: str, w: dict, threads: int, port: int
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-
-
-def _wait_healthy(server: subprocess.Popen, port: int, deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)  # polling interval of a bounded wait, not synchronisation
-    raise RuntimeError("llama-server did not become healthy")
 
 
 def llama_bench(bin_dir: str, gguf: str, w: dict, threads: int) -> dict:

@@ -8,8 +8,9 @@
 
 An engine that stayed up for `stable_after_s` starts over at k = 1, so one killed once a day
 is restarted promptly every time, while one that crashes at load is retried a bounded number
-of times. The client does the process work (`ColocatedClient.wait_dead`, `restart_engine`); this
-module only decides when.
+of times. The client does the process work (`ColocatedClient.wait_dead`, `restart_engine`); the
+decisions are the cluster workers' (`cluster.worker_supervisor.WorkerSupervisor`), so the engine,
+prefill / decode / encode workers and EP groups follow one state machine over one policy.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from deepinfer.cluster.worker_supervisor import WorkerState, WorkerSupervisor
 from deepinfer.core.restart_policy import RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -28,16 +30,25 @@ EngineRestartPolicy = RestartPolicy
 
 class EngineSupervisor:
     """A task of the front: each time the client's engine dies, restart it after a back-off.
-    `client` provides `wait_dead() -> float` (awaits the death, returns how long the engine had
-    been healthy) and `restart_engine()` (spawn, wait until healthy; raises on failure)."""
+    `client` provides `wait_dead()` (awaits the death) and `restart_engine()` (spawn, wait
+    until healthy; raises on failure). When to restart and when to give up is decided by the
+    same `WorkerSupervisor` state machine the cluster's workers are supervised by (one
+    entry, "engine"); this task only sleeps until the decision is due and acts on it."""
+
+    WORKER_ID = "engine"
 
     def __init__(self, client, policy: EngineRestartPolicy) -> None:
         self.client = client
         self.policy = policy
-        self.gave_up = False
+        self.state = WorkerSupervisor(policy)
         self._task: asyncio.Task | None = None
 
+    @property
+    def gave_up(self) -> bool:
+        return self.state.state(self.WORKER_ID) is WorkerState.GAVE_UP
+
     def start(self) -> None:
+        self.state.add_worker(self.WORKER_ID, "engine", time.monotonic())
         if self.policy.max_restarts > 0:
             self._task = asyncio.create_task(self._run(), name="engine-supervisor")
 
@@ -47,28 +58,27 @@ class EngineSupervisor:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        attempt = 0
+        reason = "engine died"
         while True:
-            uptime_s = await self.client.wait_dead()
-            if uptime_s >= self.policy.stable_after_s:
-                attempt = 0
-            while True:
-                attempt += 1
-                if attempt > self.policy.max_restarts:
-                    self.gave_up = True
-                    logger.error("engine: giving up after %d consecutive restarts",
-                                 self.policy.max_restarts)
-                    return
-                delay = self.policy.backoff_s(attempt)
-                logger.warning("engine died; restart %d in %.1f s", attempt, delay)
-                await asyncio.sleep(delay)
-                started = time.monotonic()
-                try:
-                    await self.client.restart_engine()
-                except Exception as e:  # failed to come up: back off further
-                    logger.error("engine restart %d failed: %s", attempt,
-                                 str(e).strip().splitlines()[-1:] or e)
-                    continue
-                logger.warning("engine restarted in %.1f s; re-admitting traffic",
-                               time.monotonic() - started)
-                break
+            if self.state.state(self.WORKER_ID) is WorkerState.ALIVE:
+                await self.client.wait_dead()
+                reason = "engine died"
+            decision = self.state.on_lost(self.WORKER_ID, reason, time.monotonic())
+            if decision.gave_up:
+                logger.error("engine: giving up after %d consecutive restarts",
+                             self.policy.max_restarts)
+                return
+            delay = max(0.0, decision.restart_at - time.monotonic())
+            logger.warning("engine died; restart %d in %.1f s", decision.num_consecutive, delay)
+            await asyncio.sleep(delay)
+            started = time.monotonic()
+            self.state.on_started(self.WORKER_ID, started)
+            try:
+                await self.client.restart_engine()
+            except Exception as e:  # failed to come up: lost again, back off further
+                reason = f"restart failed: {str(e).strip().splitlines()[-1:] or e}"
+                logger.error("engine restart %d failed: %s", decision.num_consecutive, reason)
+                continue
+            self.state.on_admitted(self.WORKER_ID, time.monotonic())
+            logger.warning("engine restarted in %.1f s; re-admitting traffic",
+                           time.monotonic() - started)

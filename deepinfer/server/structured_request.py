@@ -1,9 +1,11 @@
 """A request's structured-output fields -> one StructuredOutputsParams, or a 400.
 
 Accepted, as OpenAI and vLLM name them (at most one per request):
-- `response_format`: {"type": "text"} (no constraint), {"type": "json_object"}, or
-  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}};
-- `structured_outputs` (vLLM): {"json" | "regex" | "choice" | "grammar" | "json_object"};
+- `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}, or
+  {"type": "structural_tag", ...} in either of vLLM's shapes (structured/structural_tag.py);
+- `structured_outputs` (vLLM): {"json" | "regex" | "choice" | "grammar" | "json_object" |
+  "structural_tag"} (a structural tag as JSON text, as vLLM passes it, or an object);
 - the older vLLM fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 A schema is checked against its JSON Schema metaschema (jsonschema), then every spec is
@@ -24,7 +26,7 @@ from deepinfer.structured.params import StructuredOutputsParams, canonical_schem
 
 _LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # Larger specs are refused: compiling one costs the engine time in proportion to its size.
 MAX_SPEC_CHARS = 64 * 1024
 
@@ -74,7 +76,10 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
             raise bad_request("response_format.json_schema.name must be a string",
                               param="response_format")
         return {"json": spec["schema"]}
-    raise bad_request("response_format.type must be one of text, json_object, json_schema "
+    if kind == "structural_tag":
+        return {"structural_tag": fmt}
+    raise bad_request("response_format.type must be one of text, json_object, json_schema, "
+                      "structural_tag "
                       f"(got {str(kind)[:50]!r})", param="response_format")
 
 
@@ -86,7 +91,7 @@ def _vllm_structured(value: Any) -> dict[str, Any]:
         if key in _STRUCTURED_KEYS:
             if item not in (None, False):
                 kwargs[key] = item
-        elif item not in (None, False, "", [], {}):  # e.g. structural_tag, whitespace_pattern
+        elif item not in (None, False, "", [], {}):  # e.g. whitespace_pattern
             raise bad_request(f"structured_outputs.{key} is not supported by this server",
                               param="structured_outputs", code="unsupported_parameter")
     return kwargs

@@ -8,6 +8,9 @@ JSON is generated compact (no free whitespace between tokens: a small model left
 whitespace can loop on it until max_tokens) and in xgrammar's strict mode (objects take no
 properties beyond those the schema names), which only narrows the outputs the schema admits.
 
+A structural tag (structured/structural_tag.py) is built by xgrammar's structural-tag API;
+its JSON inside `begin`..`end` follows that format's own whitespace setting.
+
 A JSON schema or regex xgrammar would not enforce in full (structured/schema_features.py), or
 a JSON schema it cannot compile, goes to llguidance (structured/llguidance_grammar.py); what
 neither library can honour is an InvalidParameter naming the feature, never a looser output.
@@ -31,6 +34,7 @@ from deepinfer.invalid_parameter import InvalidParameter
 from deepinfer.structured import llguidance_grammar as llg
 from deepinfer.structured.params import StructuredOutputsParams
 from deepinfer.structured.schema_features import has_lookaround, unenforced_by_xgrammar
+from deepinfer.structured.structural_tag_checks import structural_tag_problem
 
 _JSON_OPTIONS = {"any_whitespace": False}
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -49,6 +53,10 @@ def build_grammar(spec: StructuredOutputsParams) -> BuiltGrammar:
         unenforced = unenforced_by_xgrammar(json.loads(spec.json))
         if unenforced:
             return _llguidance(kind, llg.json_grammar(spec.json), ", ".join(unenforced))
+    if kind == "structural_tag":
+        problem = structural_tag_problem(spec.structural_tag)
+        if problem is not None:
+            raise InvalidParameter("structured_outputs", problem)
     if kind == "regex" and has_lookaround(spec.regex):
         return _llguidance(kind, llg.regex_grammar(spec.regex), "look-around")
     try:
@@ -74,6 +82,8 @@ def _xgrammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     if kind == "choice":
         # JSON string literals are valid EBNF literals (same escapes).
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    if kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(spec.structural_tag)
     return xgr.Grammar.from_ebnf(spec.grammar)
 
 

@@ -1,8 +1,8 @@
 """Agent fields through disaggregated serving (P=1/D=1 over HTTP, the default model in fp32):
-a json_schema response and a required tool call give exactly the tokens the colocated engine
-gives for the same constrained request (the prefill worker samples the first token under the
-grammar, the decode worker carries the matcher on), and fields that need what P/D does not
-return are a 400 naming them."""
+a json_schema response, a structural tag and a required tool call give exactly the tokens the
+colocated engine gives for the same constrained request (the prefill worker samples the first
+token under the grammar, the decode worker carries the matcher on), and fields that need what
+P/D does not return are a 400 naming them."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tests.integration.serve_process import running_server
+from tests.integration.test_structural_tags import CHAT, FEW_SHOT, FORCED, LEGACY, tagged
 from tests.integration.test_structured_outputs import PERSON, PROMPT, constrained
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -49,6 +50,18 @@ def test_regex_and_choice_on_p1_d1_equal_colocated(pd_server, engine_base_llm):
                                         use_tqdm=False)[0].outputs[0]
         got = completion(pd_server.url, max_tokens=40, structured_outputs=spec)
         assert got["token_ids"] == list(want.token_ids), spec
+
+
+def test_structural_tags_on_p1_d1_equal_colocated(pd_server, engine_base_llm):
+    """Both shapes and both fields; max_tokens=1: the forced first token comes from prefill."""
+    for tag, prompt, max_tokens, field in ((LEGACY, FEW_SHOT, 40, "response_format"),
+                                           (FORCED, CHAT, 1, "response_format"),
+                                           (FORCED, CHAT, 40, "structured_outputs")):
+        want = engine_base_llm.generate([prompt], tagged(tag, max_tokens),
+                                        use_tqdm=False)[0].outputs[0]
+        body = {field: tag if field == "response_format" else {"structural_tag": json.dumps(tag)}}
+        got = completion(pd_server.url, prompt=prompt, max_tokens=max_tokens, **body)
+        assert got["token_ids"] == list(want.token_ids), (field, max_tokens)
 
 
 def test_prompt_logprobs_on_p1_d1_are_a_400_naming_the_field(pd_server):

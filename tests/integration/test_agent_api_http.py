@@ -193,6 +193,9 @@ def test_tokenize_gives_the_ids_a_chat_request_is_given(client, server, model):
     ("/v1/chat/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ("/v1/completions", {"guided_grammar": "root ::= missing"}, "guided_grammar"),
     ("/v1/completions", {"guided_json": "{oops"}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag", "triggers": ["<x"],
+        "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]}},
+     "response_format"),
     ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {
         "type": "function", "function": {"name": "unknown"}}}, "tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
@@ -260,3 +263,23 @@ def test_echo_returns_the_prompt_with_transformers_logprobs(server, model, hf_re
         == lps["token_logprobs"]
     only = httpx.post(url, json={**body, "echo": True, "max_tokens": 0}, timeout=120).json()
     assert only["choices"][0]["text"] == prompt_text and only["usage"]["completion_tokens"] == 0
+
+
+def test_structural_tags_over_http(server, model):
+    """vLLM's two ways to send one: response_format (the older shape, free text and a call the
+    few-shot prompt leads to) and structured_outputs.structural_tag as JSON text (xgrammar's
+    shape, the call forced first): 200s whose calls validate against the structure's schema."""
+    from tests.integration.test_structural_tags import BEGIN, FEW_SHOT, FORCED, LEGACY, calls
+    response = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": FEW_SHOT, "max_tokens": 40, "temperature": 0,
+        "response_format": LEGACY})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert calls(choice["text"], choice["finish_reason"])[0] == {"city": "Paris", "days": 3}
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": ASK, "max_tokens": 60, "temperature": 0,
+        "structured_outputs": {"structural_tag": json.dumps(FORCED)}})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    text = choice["message"]["content"]
+    assert text.startswith(BEGIN) and calls(text, choice["finish_reason"]), text

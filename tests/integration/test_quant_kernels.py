@@ -208,3 +208,40 @@ def test_float32_rows_are_exact_and_independent_of_the_batch(library, isa):
             assert torch.equal(kernel.linear(x[:m], weight, None), alone[:m]), (fmt, m)
         want = x.double() @ weight.dequantize(torch.float32).double().T
         assert torch.allclose(alone.double(), want, rtol=1e-5, atol=1e-4), fmt
+
+
+# prefill-tile edges: one block per row (K = 32) and two, weight rows below one group of 4,
+# a partial group and a partial tile, input row counts that leave every tail of a pass
+_TILE_EDGE_CASES = [(fmt, n, k) for fmt in ("q4_0", "q4_1", "q8_0") for n, k in
+                    ((1, 32), (3, 64), (6, 32), (17, 96), (35, 64))]
+_TILE_EDGE_CASES += [("q4_k", 5, 256), ("q6_k", 18, 256)]
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_prefill_tile_edges_equal_the_rows_alone(library, isa):
+    """Every input row of a prefill-sized batch (9..42 rows, tiles on and off) gives the bits
+    of the same row computed alone (the decode path), for bf16 outputs with and without a
+    bias (tails of fewer than 4 weight rows are stored one by one, whole groups four at once)
+    and for float32 dots."""
+    kernel = _kernel(library, isa)
+    gen = torch.Generator().manual_seed(17)
+    try:
+        for fmt, rows, cols in _TILE_EDGE_CASES:
+            weight = random_blocks(fmt, rows, cols, gen)
+            x = torch.randn(42, cols, generator=gen).bfloat16()
+            bias = torch.randn(rows, generator=gen).bfloat16()
+            for b in (None, bias):
+                alone = torch.cat([kernel.linear(x[i:i + 1], weight, b) for i in range(42)])
+                dots = torch.cat([kernel.dots_f32(x[i:i + 1], weight) for i in range(42)])
+                for tiles in (True, False):
+                    kernel.prefill_tiles = tiles
+                    for m in (9, 10, 11, 12, 13, 42):
+                        case = (fmt, rows, cols, b is not None, tiles, m)
+                        assert torch.equal(kernel.linear(x[:m], weight, b), alone[:m]), case
+                        assert torch.equal(kernel.dots_f32(x[:m], weight), dots[:m]), case
+            xq, step = quantized_activations(x, weight.format)
+            w = weight.dequantize(torch.float32)
+            tol = 1e-5 * (xq.abs().double() @ w.abs().double().T) + 1.01 * step[:, None].double() * w.abs().amax(dim=1).double()
+            assert ((dots.double() - xq.double() @ w.double().T).abs() <= tol).all(), fmt
+    finally:
+        kernel.prefill_tiles = True

@@ -1,7 +1,8 @@
 """The hostile-network attack of test_wire_netns.py against the other stages, each in its own
 cluster in namespace "cluster" with the attacker in namespace "attack": an expert-parallel
 group (`--data-parallel-size 2 --enable-expert-parallel`, tiny random Qwen3-MoE) and an E/P/D
-cluster (`--encode-workers 1`, tiny CLIP LLaVA, image requests). Every listening TCP port of
+cluster (`--encode-workers 1`, tiny CLIP LLaVA, image requests), and P1 with an EP=2 group as its
+decode stage (`--decode-data-parallel-size 2 --enable-expert-parallel`). Every listening TCP port of
 the namespace but HTTP is attacked while greedy requests run; their outputs must equal the same
 requests' outputs before the attack, no file may appear, and the server still answers the same.
 E/P/D: drops are counted and fresh images are encoded under attack. EP: no wire channel is
@@ -71,12 +72,28 @@ def test_attacker_changes_no_answer_of_an_expert_parallel_group(tmp_path, defaul
     tokenizer.save_pretrained(checkpoint)
     args = ("--model", str(checkpoint), *COMMON, "--data-parallel-size", "2",
             "--enable-expert-parallel")
-    # The ranks talk to the front over ipc sockets and to each other over 127.0.0.1, so no
-    # wire channel is reachable from another host (nothing to count as dropped); the one port
-    # that is, is rank 0's torch.distributed rendezvous store (it binds every interface).
+    # The ranks talk to the front over ipc sockets and to each other over 127.0.0.1, and rank
+    # 0 serves the torch.distributed rendezvous store on a socket bound to 127.0.0.1 (left to
+    # itself TCPStore binds every interface), so nothing of the group is reachable from
+    # another host: any listener open to the network shows here.
     endpoints = _attacked_cluster_answers_the_same(
         tmp_path, args, lambda url: {p: complete(url, p) for p in PROMPTS}, min_ports=0)
-    assert len(endpoints) <= 1, endpoints  # a new listener open to the network shows here
+    assert endpoints == [], endpoints
+
+
+def test_attacker_changes_no_answer_of_a_disaggregated_expert_parallel_decode_group(
+        tmp_path, default_model_source):
+    # P1 and an EP=2 group as the decode stage: the front's channels to the prefill worker
+    # and to each rank, and the prefill worker's KV server, are on the namespace's address.
+    tokenizer = default_model_source.load_tokenizer()
+    checkpoint = tmp_path / "moe"
+    tiny_moe_model("qwen3_moe", seed=36, vocab_size=len(tokenizer)).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    args = ("--model", str(checkpoint), *COMMON, "--prefill-workers", "1",
+            "--decode-workers", "1", "--decode-data-parallel-size", "2",
+            "--enable-expert-parallel")
+    _attacked_cluster_answers_the_same(
+        tmp_path, args, lambda url: {p: complete(url, p) for p in PROMPTS}, min_ports=3)
 
 
 def _chat_image(url: str, seed: int) -> list[int]:

@@ -118,6 +118,20 @@ static inline float quantize_block32_avx2(const void *x, int is_f32, int64_t i, 
 }
 #endif
 
+/* The (exact) sum of 16 int8 values. */
+static inline int sum16_i8(const int8_t *q) {
+#ifdef HAVE_QUANT_AVX2
+    /* biased to unsigned (+128 each), summed per 8 bytes by psadbw */
+    const __m128i u = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q), _mm_set1_epi8((char)0x80));
+    const __m128i s = _mm_sad_epu8(u, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+#else
+    int s = 0;
+    for (int i = 0; i < 16; i++) s += q[i];
+    return s;
+#endif
+}
+
 /* One row of GGUF-family activations: natural-order q and per-32 scales. */
 static void act_row_blocks(const void *x, int is_f32, int K, int Kp, int8_t *q, float *d) {
     float v[32];
@@ -128,6 +142,11 @@ static void act_row_blocks(const void *x, int is_f32, int K, int Kp, int8_t *q, 
             continue;
         }
 #endif
+        if (b * 32 >= K) { /* padding: what quantize_block gives for zeros */
+            memset(q + 32 * b, 0, 32);
+            d[b] = 0.f;
+            continue;
+        }
         for (int i = 0; i < 32; i++) v[i] = b * 32 + i < K ? act_value(x, is_f32, b * 32 + i) : 0.f;
         d[b] = quantize_block(v, 32, q + 32 * b);
     }
@@ -213,11 +232,8 @@ static void act_prepare_row(qact *a, int m, const void *xm, int is_f32) {
         a->rsum[m] = s;
     } else if (family == ACT_BLK32) {
         act_row_blocks(xm, is_f32, K, Kp, q, dxv);
-        for (int h = 0; h < Kp / 16; h++) { /* values 16h..16h+15, of block h / 2 */
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += q[16 * h + i];
-            xsv[h] = dxv[h / 2] * (float)s;
-        }
+        for (int h = 0; h < Kp / 16; h++) /* values 16h..16h+15, of block h / 2 */
+            xsv[h] = dxv[h / 2] * (float)sum16_i8(q + 16 * h);
     } else {
 #ifdef HAVE_QUANT_AVX512
         act_row_lanes_avx512(family, xm, is_f32, K, Kp, q, dxv, xsv, lsum);

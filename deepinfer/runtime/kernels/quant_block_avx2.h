@@ -103,17 +103,21 @@ QINLINE2 __m256 gblk_step(__m256 acc, const gblk *g, __m256i wabs, __m256i x, __
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(g->scale, dxv), acc);
 }
 
-/* The dot's value: the blocks' lanes plus the minimums' term (its vectors `len` floats of
- * mins and the row's xs), summed in one fixed order. */
+/* The blocks' lanes plus the minimums' term (its vectors: `len` floats of mins and the row's
+ * xs), in one fixed order. */
+QINLINE2 __m256 gdot_add_mins(__m256 acc, const float *mins, const float *xs, int len) {
+    __m256 t = _mm256_setzero_ps();
+    for (int v = 0; v < len; v += 8)
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(mins + v), _mm256_loadu_ps(xs + v), t);
+    acc = _mm256_add_ps(acc, t);
+    QPIN(acc);
+    return acc;
+}
+
+/* The dot's value: gdot_add_mins (formats with a minimum), then hsum8. */
 QINLINE2 float gdot_finish(__m256 acc, const float *mins, const float *xs, int len,
                            const int has_min) {
-    if (has_min) {
-        __m256 t = _mm256_setzero_ps();
-        for (int v = 0; v < len; v += 8)
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(mins + v), _mm256_loadu_ps(xs + v), t);
-        acc = _mm256_add_ps(acc, t);
-        QPIN(acc);
-    }
+    if (has_min) acc = gdot_add_mins(acc, mins, xs, len);
     return hsum8(acc);
 }
 

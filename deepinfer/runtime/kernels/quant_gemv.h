@@ -59,6 +59,35 @@ static inline void qstore(const qoutput *o, int m, int n, float v) {
     ((uint16_t *)o->out)[at] = o->residual ? f32_to_bf16(bf16_to_f32(o->residual[at]) + bf16_to_f32(y)) : y;
 }
 
+#ifdef HAVE_QUANT_AVX2
+/* qstore of the first `count` lanes of v to columns n, n + 1, ...: four at once (the same
+ * adds and bf16 rounding per lane) where the output has no residual. */
+static inline void qstore4(const qoutput *o, int m, int n, __m128 v, int count) {
+    if (count < 4 || o->residual) {
+        float f[4];
+        _mm_storeu_ps(f, v);
+        for (int t = 0; t < 4 && t < count; t++) qstore(o, m, n + t, f[t]);
+        return;
+    }
+    const int64_t at = (int64_t)m * o->ldo + n;
+    if (o->out_f32) {
+        const __m128 b = o->bias ? _mm_loadu_ps((const float *)o->bias + n) : _mm_setzero_ps();
+        _mm_storeu_ps((float *)o->out + at, _mm_add_ps(v, b));
+        return;
+    }
+    __m128 b = _mm_setzero_ps();
+    if (o->bias) {
+        const __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)o->bias + n));
+        b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    }
+    /* f32_to_bf16: u + 0x7FFF + ((u >> 16) & 1), the high half */
+    const __m128i u = _mm_castps_si128(_mm_add_ps(v, b));
+    const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    const __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7FFF)), odd), 16);
+    _mm_storel_epi64((__m128i *)((uint16_t *)o->out + at), _mm_packus_epi32(r, r));
+}
+#endif
+
 /* float32 dot of a weight row with one input row; one summation order for every M. */
 static inline float f32_dot(const float *restrict w, const float *restrict x, int K) {
 #ifdef HAVE_QUANT_AVX512
@@ -174,13 +203,13 @@ static void qgemv_rows_tiled_avx2(const qweight *w, const qact *a, int M, const 
             for (int j = 0; j < nn; j += 4) {
                 int jr[4];
                 for (int t = 0; t < 4; t++) jr[t] = j + t < nn ? j + t : nn - 1;
-                for (int m = mc; m < mend; m += 2) {
-                    const int R = m + 1 < mend ? 2 : 1;
-                    float d[2][4];
-                    gtile_dots_any(&t, jr, a, m, m + 1, d, R, is_signed);
-                    for (int r = 0; r < R; r++)
-                        for (int t = 0; t < 4 && j + t < nn; t++)
-                            qstore(o, m + r, nt + j + t, d[r][t]);
+                for (int m = mc; m < mend; m += QTILE_R) {
+                    const int R = mend - m < QTILE_R ? mend - m : QTILE_R;
+                    int mr[QTILE_R];
+                    for (int r = 0; r < QTILE_R; r++) mr[r] = r < R ? m + r : m;
+                    __m128 d[QTILE_R];
+                    gtile_dots_any(&t, jr, a, mr, d, R, is_signed);
+                    for (int r = 0; r < R; r++) qstore4(o, m + r, nt + j, d[r], nn - j);
                 }
             }
         }
