@@ -19,8 +19,8 @@ bridge port.
   dashboard agent's, the runtime-env agent's, the metrics export port, the Ray Client server,
   the driver's (the front's own) core-worker gRPC port, and two ports Ray has no flag for (the
   autoscaler monitor's and the dashboard head's, on 0.0.0.0); in "worker" the node's raylet and
-  agents and each actor's core-worker gRPC port. Attacked: the front's report PULL and per-
-  worker PUSH sockets, and the prefill worker's KV server (the decode worker only dials).
+  agents and each actor's core-worker gRPC port. Attacked: the front's report ROUTER and per-
+  worker input ROUTERs, and the prefill worker's KV server (the decode worker only dials).
 - Cut and heal: the worker namespace's bridge port goes down (both workers unreachable, Ray's
   node too): /health is 503 after the heartbeat timeout; brought back within Ray's node
   timeout, the same actors are back in routing and answer as before."""
@@ -153,7 +153,7 @@ def test_attacker_in_a_third_namespace_changes_no_answer(cluster, want, tmp_path
     marker = tmp_path / "pwned"
     assert ask(server.url, want) == expected(want)
     endpoints, front_ray, worker_ray = deepinfer_endpoints(topo, server)
-    # The front: its report PULL and a PUSH per worker; the worker: the prefill's KV server.
+    # The front: its report ROUTER and an input ROUTER per worker; the worker: its KV server.
     assert sum(e.startswith(f"tcp://{topo.address('front')}:") for e in endpoints) >= 3
     assert sum(e.startswith(f"tcp://{topo.address('worker')}:") for e in endpoints) == 1
     assert GCS_PORT in front_ray and RAY_PORTS["--node-manager-port"] in worker_ray
