@@ -56,8 +56,11 @@ def test_cuda_ranks_pick_nccl_with_a_gloo_step_header(monkeypatch):
     from deepinfer.ep import process_group
     from deepinfer.moe.dispatch import AllToAllDispatcher, make_dispatcher
     calls = []
+    monkeypatch.setattr(process_group, "_rendezvous_store",
+                        lambda rank, world, host, port, timeout: ("store", rank, host, port))
     monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))))
+                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id")))
+                        if kw["store"][0] == "store" else None)
     monkeypatch.setattr(dist, "new_group", lambda backend, **kw: calls.append(("group", backend))
                         or "gloo-group")
     group = process_group.init_rank_group(1, 2, 12345, torch.device("cuda", 1), None, 5.0)
