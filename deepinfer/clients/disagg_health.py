@@ -16,7 +16,7 @@ import time
 
 from deepinfer.wire.worker_messages import AbortRequests, WorkerCounters, WorkerHeartbeat, WorkerReady
 from deepinfer.cluster.worker_handle import WorkerHandle
-from deepinfer.cluster.worker_supervisor import WorkerState
+from deepinfer.cluster.worker_supervisor import WorkerState, drive_restarts
 from deepinfer.engine.exceptions import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -159,20 +159,10 @@ class WorkerHealth:
 
     def supervise_workers(self, now: float) -> None:
         """Start due restarts; a replacement that exited or never became ready is lost again."""
-        for worker_id in self.client.supervisor.start_overdue(now):
-            handle = self.client.workers[worker_id]
-            if handle.proc is not None and handle.proc.is_alive():
-                handle.proc.kill()
-            self.on_worker_lost(handle, f"not ready after "
-                                        f"{self.client.cluster.ready_timeout_s:.0f} s")
-        for handle in self.client.workers.values():
-            if handle.alive or \
-                    self.client.supervisor.state(handle.worker_id) is not WorkerState.STARTING:
-                continue
-            if handle.proc is not None and not handle.proc.is_alive():
-                self.on_worker_lost(handle, f"restarted process exited ({handle.proc.exitcode})")
-        for worker_id in self.client.supervisor.due(now):
-            self.restart_worker(worker_id)
+        workers = self.client.workers
+        drive_restarts(self.client.supervisor, now, lambda w: workers[w].proc,
+                       lambda w, reason: self.on_worker_lost(workers[w], reason),
+                       self.restart_worker)
 
     def restart_worker(self, worker_id: str) -> None:
         """Spawn a fresh process for a lost worker (same id and input socket). It stays out of

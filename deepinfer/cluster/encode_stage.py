@@ -34,7 +34,8 @@ from deepinfer.wire.worker_messages import AbortRequests, ShutdownWorker, Worker
 from deepinfer.cluster.worker_channels import (SEND_TIMEOUT_MS, WorkerInput, bind_worker_input,
                                                bind_worker_output, stop_worker_processes)
 from deepinfer.cluster.worker_startup import await_workers_ready
-from deepinfer.cluster.worker_supervisor import RestartPolicy, WorkerState, WorkerSupervisor
+from deepinfer.cluster.worker_supervisor import (RestartPolicy, WorkerState, WorkerSupervisor,
+                                                 drive_restarts)
 from deepinfer.wire.mm_inputs import MultiModalInputs
 from deepinfer.routing import NoWorkerAvailable, WorkerLoad
 from deepinfer.routing.encode_router import EncodeRequest, build_encode_router
@@ -273,28 +274,23 @@ class EncodeStage:
             if worker.alive and worker.proc is not None and not worker.proc.is_alive():
                 await self._on_worker_lost(worker.worker_id,
                                            f"process exited ({worker.proc.exitcode})")
-        for worker_id in self.supervisor.start_overdue(now):
-            worker = self.workers[worker_id]
-            if worker.proc is not None and worker.proc.is_alive():
-                worker.proc.kill()
-            self._on_lost_for_good(worker, "restarted worker not ready in time")
-        for worker in self.workers.values():
-            if not worker.alive and self.supervisor.state(worker.worker_id) is WorkerState.STARTING \
-                    and worker.proc is not None and not worker.proc.is_alive():
-                self._on_lost_for_good(worker, f"restarted process exited ({worker.proc.exitcode})")
-        for worker_id in self.supervisor.due(now):
-            worker = self.workers[worker_id]
-            worker.ready, worker.counters = False, EncodeCounters()
-            worker.socket.release()  # the new process proves itself again
-            self._output.release(worker_id)
-            self.supervisor.on_started(worker_id, now)
-            try:
-                self._spawn(worker)
-            except OSError as exc:
-                worker.proc = None
-                self._on_lost_for_good(worker, f"could not spawn: {exc}")
-                continue
-            logger.warning("restarting %s (pid %s)", worker_id, worker.proc.pid)
+        drive_restarts(self.supervisor, now, lambda w: self.workers[w].proc,
+                       lambda w, reason: self._on_lost_for_good(self.workers[w], reason),
+                       lambda w: self._restart(w, now))
+
+    def _restart(self, worker_id: str, now: float) -> None:
+        worker = self.workers[worker_id]
+        worker.ready, worker.counters = False, EncodeCounters()
+        worker.socket.release()  # the new process proves itself again
+        self._output.release(worker_id)
+        self.supervisor.on_started(worker_id, now)
+        try:
+            self._spawn(worker)
+        except OSError as exc:
+            worker.proc = None
+            self._on_lost_for_good(worker, f"could not spawn: {exc}")
+            return
+        logger.warning("restarting %s (pid %s)", worker_id, worker.proc.pid)
 
     def _on_lost_for_good(self, worker: _EncodeWorker, reason: str) -> None:
         decision = self.supervisor.on_lost(worker.worker_id, reason, time.monotonic())

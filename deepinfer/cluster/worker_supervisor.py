@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer.core.restart_policy import RestartPolicy
 
 __all__ = ["RestartPolicy", "WorkerState", "WorkerSupervisor", "RecoveryRecord",
-           "LossDecision"]
+           "LossDecision", "drive_restarts"]
 MAX_RECOVERY_RECORDS = 1024
 
 
@@ -138,6 +139,10 @@ class WorkerSupervisor:
         if e.outage is not None:
             e.outage.num_attempts += 1
 
+    def starting(self) -> list[str]:
+        """Workers whose replacement process is loading (sorted)."""
+        return sorted(w for w, e in self._entries.items() if e.state is WorkerState.STARTING)
+
     def start_overdue(self, now: float) -> list[str]:
         """Starting workers not ready within `ready_timeout_s` (the caller kills them and
         reports `on_lost`)."""
@@ -154,3 +159,24 @@ class WorkerSupervisor:
         if outage is not None:
             outage.readmitted_at = now
         return outage
+
+
+def drive_restarts(supervisor: WorkerSupervisor, now: float, process_of: Callable[[str], object],
+                   lose: Callable[[str, str], None], restart: Callable[[str], None]) -> None:
+    """One pass of the restart loop every front runs over its workers (P/D, encode): a
+    replacement not ready in time is killed and lost again, one whose process exited is lost
+    again, and every restart that is due is started. `process_of(worker_id)`: its process
+    handle or None; `lose(worker_id, reason)` reports the loss to `supervisor.on_lost` (and
+    whatever the front does with one); `restart(worker_id)` calls `on_started` and spawns."""
+    for worker_id in supervisor.start_overdue(now):
+        proc = process_of(worker_id)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+        lose(worker_id, f"restarted worker not ready after "
+                        f"{supervisor.policy.ready_timeout_s:.0f} s")
+    for worker_id in supervisor.starting():
+        proc = process_of(worker_id)
+        if proc is not None and not proc.is_alive():
+            lose(worker_id, f"restarted process exited ({proc.exitcode})")
+    for worker_id in supervisor.due(now):
+        restart(worker_id)

@@ -112,3 +112,39 @@ def test_serve_flag_bounds_worker_restarts():
         assert client.supervisor.policy.max_restarts == 2
     finally:
         asyncio.run(client.shutdown())
+
+
+class _Proc:
+    def __init__(self, alive: bool, exitcode=None) -> None:
+        self.alive, self.exitcode, self.killed = alive, exitcode, False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def kill(self) -> None:
+        self.killed, self.alive = True, False
+
+
+def test_drive_restarts_one_pass_over_overdue_exited_and_due_workers():
+    from deepinfer.cluster.worker_supervisor import drive_restarts
+    sup = WorkerSupervisor(RestartPolicy(max_restarts=3, initial_backoff_s=1.0,
+                                         max_backoff_s=1.0, ready_timeout_s=10.0))
+    for w in ("slow", "crashed", "waiting", "fine"):
+        sup.add_worker(w, "prefill", now=0.0)
+        sup.on_lost(w, "killed", now=100.0)
+    sup.on_started("slow", now=101.0)  # not ready 11 s later: overdue
+    for w in ("crashed", "fine"):  # still within their 10 s to become ready at 112
+        sup.on_started(w, now=110.0)
+    procs = {"slow": _Proc(alive=True), "crashed": _Proc(alive=False, exitcode=-9),
+             "fine": _Proc(alive=True), "waiting": None}
+    lost, restarted = [], []
+
+    def lose(w, reason):
+        lost.append((w, reason))
+        sup.on_lost(w, reason, now=112.0)
+    drive_restarts(sup, 112.0, procs.get, lose, restarted.append)
+    assert procs["slow"].killed and not procs["fine"].killed
+    assert lost == [("slow", "restarted worker not ready after 10 s"),
+                    ("crashed", "restarted process exited (-9)")]
+    assert restarted == ["waiting"]  # due since 101; the two just lost wait their back-off
+    assert sup.state("fine") is WorkerState.STARTING
