@@ -25,7 +25,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# appended, not first: PYTHONPATH picks which tree's deepinfer an A/B run measures
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.moe_decode_bench import write_checkpoint  # noqa: E402
 
 TIMED = ("step_process_cpu", "step_wall", "step", "model_fwd", "attention", "moe_block",
