@@ -13,7 +13,8 @@ the linear weights take twice the memory) at memory speed where oneDNN's GEMM do
 
 A model with quantized weights keeps one copy of its bf16 LM head (untied, or the tied
 embedding table): a `PackedLinear` without a packed weight (logits from the small-batch
-kernel's float32 dots up to 8 rows, F.linear on the plain weight beyond). Its layers are
+kernel's float32 dots, in calls of 8 rows up to UNPACKED_KERNEL_ROWS, F.linear on the plain
+weight beyond). Its layers are
 quantized, so the head is most of what stays bf16, and a second copy of it would be most of
 the resident overhead.
 """
@@ -26,12 +27,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from deepinfer.runtime.cpu_huge_pages import move_to_huge_pages
-from deepinfer.runtime.cpu_small_batch_linear import SmallBatchLinear, load_small_batch_linear
+from deepinfer.runtime.cpu_small_batch_linear import (MAX_ROWS, SmallBatchLinear,
+                                                       load_small_batch_linear)
 
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; measured insensitive 16..2048
 SMALL_BATCH_ROWS = 2  # up to this many rows: the C kernel (M=4 measured level with oneDNN)
+# Without a packed weight (AVX2 without AVX-NE-CONVERT) oneDNN's bf16 GEMM on the plain weight
+# is slow at every decode size (Zen 3, one thread, 1536x1024: 16 rows 5.5 ms, 64 rows 21.5 ms)
+# while the kernel in calls of MAX_ROWS rows takes 1.4 / 6.3 ms: decode and verify steps up to
+# this many rows take the kernel then, larger (prefill) chunks keep F.linear.
+UNPACKED_KERNEL_ROWS = 128
 
 
 def _ops_available() -> bool:
@@ -65,16 +72,32 @@ class PackedLinear(nn.Module):
         None when that kernel does not take `x` (then use forward). Rows <= the kernel's
         MAX_ROWS, not SMALL_BATCH_ROWS: a row's logits must not depend on how many rows share
         the call (a speculative verification row == the same position decoded alone)."""
-        if (self.small_batch is None or self.bias is not None
-                or not self.small_batch.applies(x, self.plain_weight)):
+        if self.small_batch is None or self.bias is not None:
             return None
-        return self.small_batch.dots_f32(x, self.plain_weight)
+        if self.small_batch.applies(x, self.plain_weight):
+            return self.small_batch.dots_f32(x, self.plain_weight)
+        if self._unpacked_rows(x):  # in calls of MAX_ROWS rows: still per-row logits
+            return torch.cat([self.small_batch.dots_f32(x[i:i + MAX_ROWS], self.plain_weight)
+                              for i in range(0, x.shape[0], MAX_ROWS)])
+        return None
+
+    def _unpacked_rows(self, x: Tensor) -> bool:
+        """No packed weight and a decode-sized x the kernel takes in calls of MAX_ROWS rows."""
+        return (self.packed_weight is None and x.dim() == 2
+                and MAX_ROWS < x.shape[0] <= UNPACKED_KERNEL_ROWS
+                and self.small_batch.applies(x[:MAX_ROWS], self.plain_weight))
 
     def forward(self, x: Tensor) -> Tensor:
         if (self.small_batch is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS
                 and self.small_batch.applies(x, self.plain_weight)):
             return self.small_batch(x, self.plain_weight, self.bias)
         if self.packed_weight is None:
+            if self.small_batch is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS \
+                    and self.small_batch.applies(x, self.plain_weight):
+                return self.small_batch(x, self.plain_weight, self.bias)
+            if self.small_batch is not None and self._unpacked_rows(x):
+                return torch.cat([self.small_batch(x[i:i + MAX_ROWS], self.plain_weight, self.bias)
+                                  for i in range(0, x.shape[0], MAX_ROWS)])
             return F.linear(x, self.plain_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [None], "")

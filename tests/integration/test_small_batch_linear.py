@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.runtime import cpu_kernel_build, cpu_small_batch_linear
-from deepinfer.runtime.cpu_linear_packing import SMALL_BATCH_ROWS, pack_linear_weights
+from deepinfer.runtime.cpu_linear_packing import (SMALL_BATCH_ROWS, UNPACKED_KERNEL_ROWS, PackedLinear,
+                                                 pack_linear_weights)
 from deepinfer.runtime.cpu_small_batch_linear import (MAX_ROWS, SmallBatchLinear,
                                                       load_small_batch_linear)
 
@@ -90,7 +91,11 @@ def test_packed_linear_small_batches_use_the_kernel_and_agree_with_onednn(monkey
             x = torch.randn(rows, 576).bfloat16()
             got, want = model(x), plain(x)
             assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), rows
-    assert calls == [1, 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS]  # two layers each; wider -> oneDNN
+    if model[0].packed_weight is not None:
+        assert calls == [1, 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS]  # two layers each; wider -> oneDNN
+    else:  # no packed weight (AVX2): every decode-sized batch, in calls of MAX_ROWS rows
+        assert calls == [1, 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1,
+                         SMALL_BATCH_ROWS + 1] + [MAX_ROWS] * 16
     load_small_batch_linear.cache_clear()
 
 
@@ -125,5 +130,32 @@ def test_wrong_kernel_build_is_not_used(tmp_path, monkeypatch):
     load_small_batch_linear.cache_clear()
     try:
         assert cpu_small_batch_linear.load_small_batch_linear() is None
+    finally:
+        load_small_batch_linear.cache_clear()
+
+
+def test_unpacked_linear_takes_decode_batches_in_calls_of_max_rows(monkeypatch):
+    """Without a packed weight, 9..UNPACKED_KERNEL_ROWS rows run the kernel MAX_ROWS rows at a
+    time: each row equals that row alone (forward and the head's float32 logits), and agrees
+    with F.linear; more rows keep F.linear."""
+    monkeypatch.setenv("DEEPINFER_SMALL_BATCH_LINEAR", "1")
+    load_small_batch_linear.cache_clear()
+    try:
+        torch.manual_seed(1)
+        linear = nn.Linear(200, 70, bias=False).bfloat16().requires_grad_(False)
+        layer = PackedLinear(linear, None, load_small_batch_linear())
+        with torch.inference_mode():
+            for rows in (MAX_ROWS + 1, 20, UNPACKED_KERNEL_ROWS):
+                x = torch.randn(rows, 200).bfloat16()
+                got, logits = layer(x), layer.logits_f32(x)
+                alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+                alone_logits = torch.cat([layer.logits_f32(x[i:i + 1]) for i in range(rows)])
+                assert torch.equal(got, alone) and torch.equal(logits, alone_logits), rows
+                want = F.linear(x.float(), linear.weight.float())
+                assert torch.allclose(logits, want, rtol=1e-4, atol=1e-4), rows
+                assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), rows
+            x = torch.randn(UNPACKED_KERNEL_ROWS + 1, 200).bfloat16()
+            assert layer.logits_f32(x) is None
+            assert torch.equal(layer(x), F.linear(x, linear.weight))
     finally:
         load_small_batch_linear.cache_clear()
