@@ -76,15 +76,15 @@ class PackedLinear(nn.Module):
             return None
         if self.small_batch.applies(x, self.plain_weight):
             return self.small_batch.dots_f32(x, self.plain_weight)
-        if self._unpacked_rows(x):  # in calls of MAX_ROWS rows: still per-row logits
-            return torch.cat([self.small_batch.dots_f32(x[i:i + MAX_ROWS], self.plain_weight)
-                              for i in range(0, x.shape[0], MAX_ROWS)])
+        if self._unpacked_kernel_rows(x):  # in calls of MAX_ROWS rows: still per-row logits
+            return _in_row_calls(
+                lambda rows: self.small_batch.dots_f32(rows, self.plain_weight), x)
         return None
 
-    def _unpacked_rows(self, x: Tensor) -> bool:
-        """No packed weight and a decode-sized x the kernel takes in calls of MAX_ROWS rows."""
-        return (self.packed_weight is None and x.dim() == 2
-                and MAX_ROWS < x.shape[0] <= UNPACKED_KERNEL_ROWS
+    def _unpacked_kernel_rows(self, x: Tensor) -> bool:
+        """No packed weight and a decode-sized x the kernel takes (in calls of MAX_ROWS rows)."""
+        return (self.packed_weight is None and self.small_batch is not None and x.dim() == 2
+                and x.shape[0] <= UNPACKED_KERNEL_ROWS
                 and self.small_batch.applies(x[:MAX_ROWS], self.plain_weight))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -92,15 +92,19 @@ class PackedLinear(nn.Module):
                 and self.small_batch.applies(x, self.plain_weight)):
             return self.small_batch(x, self.plain_weight, self.bias)
         if self.packed_weight is None:
-            if self.small_batch is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS \
-                    and self.small_batch.applies(x, self.plain_weight):
-                return self.small_batch(x, self.plain_weight, self.bias)
-            if self.small_batch is not None and self._unpacked_rows(x):
-                return torch.cat([self.small_batch(x[i:i + MAX_ROWS], self.plain_weight, self.bias)
-                                  for i in range(0, x.shape[0], MAX_ROWS)])
+            if self._unpacked_kernel_rows(x):
+                return _in_row_calls(
+                    lambda rows: self.small_batch(rows, self.plain_weight, self.bias), x)
             return F.linear(x, self.plain_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [None], "")
+
+
+def _in_row_calls(call, x: Tensor) -> Tensor:
+    """`call(x)` for at most MAX_ROWS rows, else over consecutive MAX_ROWS-row slices."""
+    if x.shape[0] <= MAX_ROWS:
+        return call(x)
+    return torch.cat([call(x[i:i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
 
 
 def _try_pack(linear: nn.Linear) -> PackedLinear | None:
