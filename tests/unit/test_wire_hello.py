@@ -183,6 +183,15 @@ def _drops(channel: str, reason: str) -> int:
     return PROCESS_DROPS.snapshot().get((channel, reason), 0)
 
 
+def _close_all(sockets, bound, *contexts) -> None:
+    """The test's own sockets, then the front's bound one, then the contexts."""
+    for sock in sockets:
+        sock.close(linger=0)
+    bound.close()
+    for ctx in contexts:
+        ctx.term()
+
+
 def test_strays_on_a_worker_input_get_nothing_and_the_worker_gets_everything():
     async def main():
         actx = zmq.asyncio.Context()
@@ -196,11 +205,7 @@ def test_strays_on_a_worker_input_get_nothing_and_the_worker_gets_everything():
         try:
             await _strays_get_nothing(front, ctx, strays)
         finally:
-            for sock in strays:
-                sock.close(linger=0)
-            front.close()
-            ctx.term()
-            actx.term()
+            _close_all(strays, front, ctx, actx)
     asyncio.run(main())
 
 
@@ -244,11 +249,7 @@ def test_a_report_naming_another_worker_is_dropped_and_counted():
             await _reports(out, reader, before, *socks)
         finally:
             reader.cancel()
-            for s in socks:
-                s.close(linger=0)
-            out.close()
-            ctx.term()
-            actx.term()
+            _close_all(socks, out, ctx, actx)
     asyncio.run(main())
 
 
