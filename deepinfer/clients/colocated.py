@@ -77,7 +77,6 @@ class ColocatedClient:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task | None = None
         self._incarnation = 0
-        self._healthy_since = 0.0
         self._dead_event: asyncio.Event | None = None
         self._supervisor = EngineSupervisor(self, restart_policy or EngineRestartPolicy(0))
         self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
@@ -98,10 +97,9 @@ class ColocatedClient:
         await self._start_engine()
         self.num_restarts += 1
 
-    async def wait_dead(self) -> float:
-        """Wait until the current engine dies; returns how long it had been healthy (s)."""
+    async def wait_dead(self) -> None:
+        """Wait until the current engine dies (the supervisor keeps its own uptime clock)."""
         await self._dead_event.wait()
-        return time.monotonic() - self._healthy_since
 
     async def _start_engine(self) -> None:
         """Fresh sockets, a new process, its EngineReady and first report; then healthy.
@@ -138,7 +136,7 @@ class ColocatedClient:
         self._stats = first_report.stats or EngineStatsSnapshot()
         self._num_requests_sent = 0
         self._dead_event.clear()
-        self._healthy_since = self._last_report = time.monotonic()
+        self._last_report = time.monotonic()
         self.dead_message = None  # re-admit traffic
         self._output_task = asyncio.create_task(
             self._output_loop(self._proc, self._input, self._output),

@@ -17,10 +17,9 @@ class FakeEngine:
         self.dead = asyncio.Event()
         self.restarts: list[bool] = []
 
-    async def wait_dead(self) -> float:
+    async def wait_dead(self) -> None:
         await self.dead.wait()
         self.dead.clear()
-        return 0.0
 
     async def restart_engine(self) -> None:
         ok = self.outcomes.pop(0)
